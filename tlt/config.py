@@ -1,0 +1,280 @@
+"""Run configuration: one pydantic model per stage under `RunConfig`.
+
+Defaults live here and only here. Every model forbids unknown keys, so a typo in a
+YAML recipe or a `--set` override fails with the dotted key and the nearest valid name.
+`RunConfig` is also the Prefect flow parameter, so the UI renders it as a form.
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Stage(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Stage):
+    name_or_path: str = Field(
+        "bundled:smollm2-135m-instruct",
+        description="Target policy: 'bundled:smollm2-135m-instruct', a local HF directory, "
+        "a hub id (online only) or 'tiny:llama' / 'tiny:qwen2' (random, for tests)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype")
+    tiny_layers: int = Field(4, ge=1, le=64, description="Layers of a tiny:* random model")
+    tiny_hidden: int = Field(128, ge=64, description="Hidden size of a tiny:* model (head_dim stays 64)")
+    tiny_vocab: int = Field(512, ge=64, description="Vocabulary of a tiny:* model")
+    cache_dir: str = Field(".cache/models", description="Where converted models are kept")
+
+
+class GeneratorSpec(Stage):
+    task: str = Field(..., description="reasoning-gym dataset name, e.g. basic_arithmetic")
+    size: int = Field(64, ge=1, description="Number of items to generate")
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword args of the generator")
+
+
+class DataConfig(Stage):
+    path: str | None = Field(None, description="JSONL or Parquet file with prompt, answer[, id, task, difficulty]")
+    generators: list[GeneratorSpec] = Field(
+        default_factory=lambda: [GeneratorSpec(task="basic_arithmetic", size=96,
+                                               params={"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                       "max_digits": 1})],
+        description="reasoning-gym generators used when `path` is not set",
+    )
+    seed: int = Field(0, description="Seed of generation and of the train / held-out split")
+    heldout_size: int = Field(16, ge=1, description="Rows kept out of training for evaluation")
+    max_prompt_tokens: int = Field(256, ge=8, description="Prompts longer than this (after the chat template) are invalid")
+    on_invalid: Literal["error", "drop"] = Field("error", description="Refuse invalid rows, or drop them and log them")
+    instruction: str = Field(" Reply with only the final number.", description="Appended to every prompt")
+    system_prompt: str | None = Field(None, description="Optional system message of the chat template")
+
+
+class DrafterConfig(Stage):
+    variant: Literal["eagle3", "eagle1"] = Field("eagle3", description="EAGLE-3 (3 fused layers, reduced vocab) or EAGLE-1")
+    draft_vocab_size: int = Field(2048, ge=0, description="Reduced draft vocabulary; 0 = the target's full vocabulary")
+    aux_layer_ids: list[int] | None = Field(None, description="Target hidden_states ids (low, mid, high); default 2, N//2, N-3")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
+    loss_feature_weight: float = Field(1.0, ge=0, description="Weight of the SmoothL1 feature loss")
+    loss_token_weight: float = Field(0.1, ge=0, description="Weight of the soft cross-entropy loss")
+    ttt_steps: int = Field(1, ge=1, le=8, description="Training-time-test unroll steps (EAGLE-3); 1 = off")
+    warmstart_prompts: int = Field(64, ge=1, description="Training prompts used for warm-start responses")
+    warmstart_max_new_tokens: int = Field(64, ge=1, description="Length of warm-start responses")
+    warmstart_epochs: int = Field(8, ge=1, description="Passes over the warm-start data")
+    batch_tokens: int = Field(2048, ge=64, description="Tokens per packed training batch")
+    refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (0 = frozen)")
+    refresh_below_accept_len: float | None = Field(None, description="Also refresh when held-out accept length drops below this")
+    buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
+    buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
+
+
+class SpecStrategy(Stage):
+    depth: int = Field(4, ge=1, le=16, description="Draft steps per round")
+    topk: int = Field(1, ge=1, le=8, description="Branching of the draft tree (1 = chain)")
+    tokens: int = Field(4, ge=1, le=64, description="Draft tokens verified per round")
+
+
+class RolloutConfig(Stage):
+    backend: Literal["torch", "vllm"] = Field("torch", description="Embedded torch engine or vLLM")
+    group_size: int = Field(4, ge=1, description="Samples per prompt (GRPO group G)")
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step")
+    max_new_tokens: int = Field(64, ge=1, description="Response length limit")
+    temperature: float = Field(0.7, ge=0, description="Sampling temperature (0 = greedy)")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling")
+    spec: bool = Field(True, description="Use speculative decoding")
+    spec_threshold: int = Field(8, ge=0, description="SD on when running sequences <= this")
+    drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")
+    strategy: SpecStrategy = Field(default_factory=SpecStrategy, description="Strategy when the tuner is off")
+    tuner: bool = Field(True, description="Pick the strategy per batch bucket with the bandit")
+    tuner_epsilon: float = Field(0.1, ge=0, le=1, description="Exploration rate of the bandit")
+    tuner_buckets: list[int] = Field(default_factory=lambda: [1, 2, 5, 21], description="Lower bounds of batch-size buckets")
+    workers: int = Field(1, ge=1, description="Rollout worker processes")
+
+
+class RLConfig(Stage):
+    steps: int = Field(4, ge=0, description="RL steps")
+    lr: float = Field(1e-6, gt=0, description="Policy learning rate")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon (low)")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip epsilon (high; DAPO clip-higher)")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 = none)")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus")
+    filter_zero_std: bool = Field(False, description="Drop groups whose rewards all agree")
+    reward: Literal["auto", "math", "reasoning_gym"] = Field("auto", description="Reward function")
+    seed: int = Field(0, description="Seed of sampling and training")
+
+
+class TrainerConfig(Stage):
+    backend: Literal["torch", "deepspeed"] = Field("torch", description="Policy update backend")
+    zero_stage: int = Field(0, ge=0, le=2, description="DeepSpeed ZeRO stage")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
+    checkpoint_dir: str = Field("runs", description="Root of run checkpoints")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint every k RL steps")
+
+
+class EvalConfig(Stage):
+    max_new_tokens: int = Field(32, ge=1, description="Greedy evaluation length")
+    every: int = Field(2, ge=0, description="Evaluate every k RL steps (0 = only at the end)")
+    batch_size: int = Field(16, ge=1, description="Prompts per evaluation batch")
+
+
+class TrackingConfig(Stage):
+    experiment: str = Field("tlt", description="MLflow experiment")
+    tracking_uri: str | None = Field(None, description="MLflow URI; MLFLOW_TRACKING_URI wins; default sqlite under mlflow/")
+    system_metrics: bool = Field(True, description="Log CPU/memory system metrics")
+    samples_every: int = Field(1, ge=0, description="Log a table of rollout samples every k steps (0 = never)")
+
+
+class ExportConfig(Stage):
+    enabled: bool = Field(True, description="Export the drafter at the end of training")
+    out_dir: str | None = Field(None, description="Export directory (default: the run's checkpoint dir /drafter_export)")
+    register_model: bool = Field(True, description="Register the export as a version of `model_name`")
+    model_name: str = Field("tlt-drafter", description="MLflow registered model name")
+
+
+class DeployConfig(Stage):
+    cron: str = Field("0 3 * * *", description="Schedule of the tlt-train/retrain deployment")
+    timezone: str = Field("UTC", description="Time zone of the cron schedule")
+
+
+class RunConfig(Stage):
+    name: str = Field("tlt", description="Run name shown in Prefect and MLflow")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        if self.rl.clip_high < self.rl.clip_low:
+            raise ValueError("rl.clip_high must be >= rl.clip_low (DAPO clip-higher); raise rl.clip_high")
+        if self.trainer.zero_stage and self.trainer.backend != "deepspeed":
+            raise ValueError("trainer.zero_stage needs trainer.backend: deepspeed; set it or drop zero_stage")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config problem, already phrased for the user (dotted key + fix)."""
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        keys.append(dotted)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _all_keys(ann, dotted + ".")
+    return keys
+
+
+def _explain(err: ValidationError) -> str:
+    valid = _all_keys(RunConfig)
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+            hint = f"did you mean '{near[0]}'?" if near else "remove it (see the config reference in README)"
+            lines.append(f"unknown key '{key}': {hint}")
+        else:
+            lines.append(f"invalid value for '{key}': {e['msg']} (got {e.get('input')!r}); fix the value")
+    return "\n".join(lines)
+
+
+def _parse_scalar(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `a.b.c=value` strings (values parsed as YAML) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not KEY=VALUE; write e.g. --set rl.steps=3")
+        key, value = item.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{key}': '{part}' is not a section")
+        node[parts[-1]] = _parse_scalar(value)
+    return data
+
+
+def build_config(data: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
+    data = apply_overrides(dict(data or {}), overrides or [])
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_explain(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML recipe (or the defaults when path is None) and apply dotted overrides."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' not found; pass a YAML recipe such as conf/default.yaml")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, data:, ...)")
+    return build_config(data, overrides)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(cfg: RunConfig) -> dict[str, str]:
+    """Dotted key -> string value, for MLflow params."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}{k}.")
+        else:
+            out[prefix[:-1]] = str(node)
+
+    walk(cfg.model_dump(mode="json"), "")
+    return out
+
+
+def reference_markdown() -> str:
+    """The config reference table for the README (kept in sync by a test)."""
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                walk(ann, f"{prefix}{name}.")
+                continue
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = default.model_dump()
+            if isinstance(default, list):
+                default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
+            tname = getattr(ann, "__name__", str(ann)).replace("typing.", "").replace("|", "\\|")
+            desc = (field.description or "").replace("|", "\\|")
+            shown = repr(default).replace("|", "\\|")
+            rows.append(f"| `{prefix}{name}` | {tname} | `{shown}` | {desc} |")
+
+    walk(RunConfig, "")
+    return "\n".join(rows)
