@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tlt.errors import UserError
+
 
 class Stage(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -164,7 +166,7 @@ class RunConfig(Stage):
         return self
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config problem, already phrased for the user (dotted key + fix)."""
 
 
@@ -256,6 +258,12 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
     return out
 
 
+def _type_name(ann: Any) -> str:
+    if getattr(ann, "__origin__", None) is Literal:
+        return " / ".join(repr(a) for a in ann.__args__)
+    return getattr(ann, "__name__", str(ann)).replace("typing.", "")
+
+
 def reference_markdown() -> str:
     """The config reference table for the README (kept in sync by a test)."""
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
@@ -271,7 +279,7 @@ def reference_markdown() -> str:
                 default = default.model_dump()
             if isinstance(default, list):
                 default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
-            tname = getattr(ann, "__name__", str(ann)).replace("typing.", "").replace("|", "\\|")
+            tname = _type_name(ann).replace("|", "\\|")
             desc = (field.description or "").replace("|", "\\|")
             shown = repr(default).replace("|", "\\|")
             rows.append(f"| `{prefix}{name}` | {tname} | `{shown}` | {desc} |")

