@@ -63,11 +63,17 @@ def config_show(file: Optional[Path] = typer.Argument(None), set_: Optional[list
 
 
 @config_app.command("reference")
-def config_reference() -> None:
-    """Print the config reference table (Markdown)."""
+def config_reference(readme: Optional[Path] = typer.Option(None, help="Rewrite the reference block of this README")) -> None:
+    """Print the config reference table (Markdown), or refresh it inside README.md."""
     from tlt.config import reference_markdown
 
-    print(reference_markdown())
+    if readme is None:
+        print(reference_markdown())
+        return
+    start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+    head, rest = readme.read_text().split(start)
+    tail = rest.split(end)[1]
+    readme.write_text(f"{head}{start}\n{reference_markdown()}\n{end}{tail}")
 
 
 @data_app.command("validate")

@@ -1,0 +1,75 @@
+"""Local services for the UIs: the Prefect server and the MLflow UI, bound to 127.0.0.1."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tlt.tracking import default_tracking_uri
+
+
+def _bin(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def wait_http(url: str, timeout: float = 90.0) -> bool:
+    """Poll `url` until it answers 200 or the timeout passes."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
+def start_prefect(host: str, port: int, log) -> subprocess.Popen:
+    return subprocess.Popen([_bin("prefect"), "server", "start", "--host", host, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start_mlflow(host: str, port: int, log) -> subprocess.Popen:
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    artifacts = Path("mlflow/artifacts").resolve()
+    return subprocess.Popen([_bin("mlflow"), "server", "--host", host, "--port", str(port), "--workers", "1",
+                             "--backend-store-uri", default_tracking_uri(), "--default-artifact-root", artifacts.as_uri()],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate a server and its children (own process group), then reap it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_uis(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
+    """Start both UIs, print their URLs, and stop both cleanly on Ctrl-C."""
+    Path(".cache").mkdir(exist_ok=True)
+    log = open(".cache/ui.log", "ab")
+    procs = [start_prefect(host, prefect_port, log), start_mlflow(host, mlflow_port, log)]
+    try:
+        ok_p = wait_http(f"http://{host}:{prefect_port}/api/health")
+        ok_m = wait_http(f"http://{host}:{mlflow_port}/health")
+        print(f"Prefect UI: http://{host}:{prefect_port}   {'ready' if ok_p else 'NOT ready, see .cache/ui.log'}")
+        print(f"MLflow UI:  http://{host}:{mlflow_port}   {'ready' if ok_m else 'NOT ready, see .cache/ui.log'}")
+        print(f"Point runs at this Prefect server with: export PREFECT_API_URL=http://{host}:{prefect_port}/api")
+        print("Ctrl-C stops both.")
+        while all(p.poll() is None for p in procs):
+            time.sleep(1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            stop(p)
+        print("stopped Prefect and MLflow")
