@@ -101,6 +101,7 @@ class RolloutConfig(Stage):
 class RLConfig(Stage):
     steps: int = Field(4, ge=0, description="RL steps")
     lr: float = Field(1e-6, gt=0, description="Policy learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="Policy AdamW weight decay")
     clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon (low)")
     clip_high: float = Field(0.28, ge=0, description="PPO clip epsilon (high; DAPO clip-higher)")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 = none)")
@@ -117,6 +118,7 @@ class TrainerConfig(Stage):
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
     checkpoint_dir: str = Field("runs", description="Root of run checkpoints")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every k RL steps")
+    checkpoint_keep: int = Field(3, ge=1, description="Run checkpoints kept (older ones are pruned)")
 
 
 class EvalConfig(Stage):

@@ -123,9 +123,10 @@ def _convert_gguf(dest: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = _gguf_dir()
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
+    tok = _set_pad(AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE))
     _ensure_chatml(tok)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
+    model.config.pad_token_id = model.generation_config.pad_token_id = tok.pad_token_id
     # The weights are plain fp32 now; without this save_pretrained refuses ("not serializable").
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

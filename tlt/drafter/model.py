@@ -34,10 +34,15 @@ def rope_parameters(config) -> dict:
 
 
 def default_aux_ids(num_layers: int) -> list[int]:
-    """HF hidden_states ids (low, mid, high): (2, N//2, N-3), or distinct valid ids for N < 6."""
-    if num_layers >= 6:
+    """HF hidden_states ids (low, mid, high): (2, N//2, N-3), or distinct valid ids when those collide."""
+    if num_layers > 6:
         return [2, num_layers // 2, num_layers - 3]
-    return sorted({1, max(1, num_layers // 2), num_layers - 1} | ({num_layers} if num_layers < 3 else set()))[:3]
+    ids = {1, num_layers // 2, max(num_layers - 1, 0)}
+    # Fill with 0 before N: vLLM reads id N as the final state *before* the norm, HF after it.
+    for extra in (0, num_layers):
+        if len(ids) < 3:
+            ids.add(extra)
+    return sorted(ids) + [num_layers] * (3 - len(ids))
 
 
 class RMSNorm(nn.Module):
@@ -162,7 +167,8 @@ class Eagle3Drafter(nn.Module):
         else:
             # Scaled variants (llama3, yarn, linear, ...) use transformers' own formulas.
             inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, None)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
+        self._inv_freq = {torch.device("cpu"): inv_freq.float().cpu()}
         self.rope_scale = float(scale)
 
     # ---- vocabulary maps -------------------------------------------------------------------
@@ -222,7 +228,10 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(h))
 
     def _rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [B,T,hd/2]
+        dev = position_ids.device
+        if dev not in self._inv_freq:
+            self._inv_freq[dev] = self._inv_freq[torch.device("cpu")].to(dev)
+        freqs = position_ids.float().unsqueeze(-1) * self._inv_freq[dev]  # [B,T,hd/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos() * self.rope_scale, emb.sin() * self.rope_scale
 
@@ -283,4 +292,5 @@ def build_drafter(target_model, cfg) -> Eagle3Drafter:
         final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         if final_norm is not None and getattr(final_norm, "weight", None) is not None:
             drafter.norm.weight.copy_(final_norm.weight.detach().float())
-    return drafter.to(dtype=embed.dtype if embed.dtype != torch.float16 else torch.float32)
+    # fp32 master weights whatever the target dtype; forward casts its inputs to match.
+    return drafter.to(device=embed.device)
