@@ -60,6 +60,12 @@ def test_bin_only_dir_refused(tmp_path):
         load_target(ModelConfig(name_or_path=str(tmp_path)))
 
 
+def test_dir_without_tokenizer_refused(tmp_path):
+    tiny_model(layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match="tokenizer.save_pretrained"):
+        load_target(ModelConfig(name_or_path=str(tmp_path)))
+
+
 def test_hub_id_offline_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # nothing cached there

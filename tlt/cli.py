@@ -84,7 +84,8 @@ def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="
     from tlt.models import load_tokenizer
 
     cfg = _load(config, set_)
-    report = validate_file(path, tokenizer=load_tokenizer(cfg.model), max_prompt_tokens=cfg.data.max_prompt_tokens)
+    report = validate_file(path, tokenizer=load_tokenizer(cfg.model), max_prompt_tokens=cfg.data.max_prompt_tokens,
+                           instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
     if report.bad:
         err.print(report.format(), markup=False)
         err.print(f"{path}: {len(report.bad)} problem(s) in {report.n_rows} rows; fix them, or set data.on_invalid: drop "
@@ -123,6 +124,25 @@ def bench_rollout(config: Path, json_out: Optional[Path] = typer.Option(None, "-
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     bench = importlib.import_module("bench.rollout")
     bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *sum((["--set", s] for s in set_ or []), [])])
+
+
+@app.command("deploy")
+def deploy(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Optional[list[str]] = SetOpt) -> None:
+    """Register tlt-train/manual and tlt-train/retrain (cron from deploy.cron) with the Prefect API."""
+    cfg = _load(config, set_)
+    _env_defaults()
+    ids = importlib.import_module("flows.deploy").apply_deployments(cfg)
+    out.print(f"registered tlt-train/manual and tlt-train/retrain (cron '{cfg.deploy.cron}'): {', '.join(ids)}")
+    out.print("run them with: tlt serve " + str(config))
+
+
+@app.command("serve")
+def serve(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Optional[list[str]] = SetOpt,
+          limit: Optional[int] = typer.Option(None, help="Concurrent runs")) -> None:
+    """Serve the deployments: runs triggered from the UI or by the schedule execute here."""
+    cfg = _load(config, set_)
+    _env_defaults()
+    importlib.import_module("flows.deploy").serve_deployments(cfg, limit=limit)
 
 
 @app.command("ui")

@@ -65,6 +65,9 @@ class DrafterConfig(Stage):
     loss_feature_weight: float = Field(1.0, ge=0, description="Weight of the SmoothL1 feature loss")
     loss_token_weight: float = Field(0.1, ge=0, description="Weight of the soft cross-entropy loss")
     ttt_steps: int = Field(1, ge=1, le=8, description="Training-time-test unroll steps (EAGLE-3); 1 = off")
+    feature_target: Literal["fused", "final"] = Field(
+        "fused", description="Feature-loss target of the fed-back h: the next position's fused aux "
+        "(what h replaces when drafting) or, TLT/EAGLE-1 style, the target's final hidden (on norm(h))")
     warmstart_prompts: int = Field(64, ge=1, description="Training prompts used for warm-start responses")
     warmstart_max_new_tokens: int = Field(64, ge=1, description="Length of warm-start responses")
     warmstart_epochs: int = Field(8, ge=1, description="Passes over the warm-start data")

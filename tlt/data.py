@@ -20,26 +20,15 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-import pandera.pandas as pa
 
+from tlt.errors import UserError
 from tlt.config import DataConfig, GeneratorSpec
-from tlt.schemas import CUSTOM_TASK, PROMPT_COLUMNS, RAW_TYPES, PromptSchema, is_missing
+from tlt.schemas import CUSTOM_TASK, PROMPT_COLUMNS, RAW_TYPES, BadRow, PromptSchema, failures, is_missing
 
 MAX_LISTED = 20  # malformed lines listed in a DataError before "... and N more"
 
 
-@dataclass(frozen=True)
-class BadRow:
-    row: int  # 1-based row / line number; 0 = the whole file (a missing or unknown column)
-    column: str
-    reason: str
-
-    def __str__(self) -> str:
-        where = f"row {self.row}, column" if self.row else "column"
-        return f"{where} '{self.column}': {self.reason}"
-
-
-class DataError(ValueError):
+class DataError(UserError):
     """A data problem phrased for the user (what, where, how to fix); `bad` lists rows if any."""
 
     def __init__(self, message: str, bad: Sequence[BadRow] = ()):
@@ -151,15 +140,16 @@ def _read_json(p: Path) -> tuple[list[int], list[dict]]:
 
 
 def _read_json_array(p: Path, text: str) -> tuple[list[int], list[dict]]:
+    """A .json file holding one array of objects; row numbers are 1-based item positions."""
     try:
         items = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"data file '{p}' is not valid JSON: {err.msg} at line {err.lineno}, "
                         f"column {err.colno}; fix it or write one JSON object per line (.jsonl)") from None
-    bad = [BadRow(i, "(json)", "expected a JSON object") for i, x in enumerate(items, 1) if not isinstance(x, dict)]
+    bad = [i for i, x in enumerate(items, 1) if not isinstance(x, dict)]
     if bad:
-        raise DataError(f"data file '{p}': items {', '.join(str(b.row) for b in bad)} of the JSON array "
-                        "are not objects; each item needs prompt and answer", bad)
+        raise DataError(f"data file '{p}': items {bad} of the JSON array are not objects",
+                        [BadRow(i, "(json)", "expected a JSON object") for i in bad])
     return list(range(1, len(items) + 1)), items
 
 
@@ -171,6 +161,9 @@ def _read_parquet(p: Path) -> tuple[list[int], list[dict]]:
         table = pq.read_table(p)
     except (pa_arrow.ArrowException, OSError) as err:
         raise DataError(f"data file '{p}' is not a readable Parquet file: {err}") from None
+    # A pandas index saved by DataFrame.to_parquet is bookkeeping, not a data column.
+    index_cols = (table.schema.pandas_metadata or {}).get("index_columns", [])
+    table = table.drop_columns([c for c in index_cols if isinstance(c, str) and c in table.column_names])
     records = table.to_pylist()  # Python values, like the JSON path (no int -> float upcasting)
     return list(range(1, len(records) + 1)), records
 
@@ -276,54 +269,6 @@ def _with_defaults(df: pd.DataFrame) -> pd.DataFrame:
     return out.astype(object)
 
 
-def _reason(check: str, column: str, value: Any) -> str:
-    if check.startswith("wrong type"):
-        return f"{check}, got {type(value).__name__} {value!r:.40}"
-    if check == "not_nullable":
-        return f"missing {column}"
-    if check == "not_blank":
-        return f"empty {column}" if value == "" else f"blank {column} (whitespace only)"
-    if check == "json_object":
-        return f"meta must be a JSON object, got {value!r:.40}"
-    return f"failed check {check} (value {value!r:.40})"
-
-
-def _pandera_bad(schema, df: pd.DataFrame) -> list[BadRow]:
-    """Run a pandera schema lazily and translate its failure cases into BadRows."""
-    try:
-        schema.validate(df, lazy=True)
-        return []
-    except pa.errors.SchemaErrors as err:
-        cases = err.failure_cases
-    cases = cases.assign(row=[0 if is_missing(i) else int(i) for i in cases["index"]]).sort_values("row")
-    bad, first_id = [], {}
-    for case in cases.itertuples():
-        row = case.row
-        if case.check == "column_in_dataframe":
-            bad.append(BadRow(0, str(case.failure_case), "missing required column"))
-        elif case.check == "column_in_schema":
-            bad.append(BadRow(0, str(case.failure_case), _unknown_column(str(case.failure_case))))
-        elif case.check == "field_uniqueness":  # pandera lists every copy; keep the first as valid
-            if case.failure_case in first_id:
-                bad.append(BadRow(row, "id", f"duplicate id {case.failure_case!r} (first in row "
-                                             f"{first_id[case.failure_case]})"))
-            else:
-                first_id[case.failure_case] = row
-        else:
-            bad.append(BadRow(row, str(case.column), _reason(str(case.check), str(case.column), case.failure_case)))
-    return bad
-
-
-ALIASES = {"question": "prompt", "problem": "prompt", "input": "prompt", "solution": "answer", "target": "answer",
-           "output": "answer", "metadata": "meta", "level": "difficulty"}
-
-
-def _unknown_column(name: str) -> str:
-    near = ALIASES.get(name) or next(iter(difflib.get_close_matches(name, PROMPT_COLUMNS, n=1)), None)
-    hint = f"rename it to '{near}'" if near else "remove it"
-    return f"unknown column; {hint} (allowed: {', '.join(PROMPT_COLUMNS)})"
-
-
 def _extra_checks(df: pd.DataFrame, tokenizer, max_prompt_tokens: int | None, instruction: str,
                   system_prompt: str | None) -> list[BadRow]:
     """What pandera cannot express: task names from reasoning-gym's registry, templated token counts."""
@@ -350,25 +295,24 @@ def validate_rows(df: pd.DataFrame, tokenizer=None, max_prompt_tokens: int | Non
     Order matters: raw Python types first (before pandera coerces 5 to "5"), then the
     PromptSchema contract, then the checks pandera cannot express. One problem per (row, column)
     is kept, the most specific first. The token limit needs a tokenizer; without one it is skipped.
+    A default 0-based RangeIndex is renumbered from 1 (row 0 means "the whole file").
     """
+    if isinstance(df.index, pd.RangeIndex) and df.index.start == 0:
+        df = df.set_axis(pd.RangeIndex(1, len(df) + 1, name="row"))
     df = _with_defaults(df)
-    bad = _pandera_bad(RAW_TYPES, df)
+    bad = failures(RAW_TYPES, df)
     typed = df.copy()
     for b in bad:  # wrong-typed cells become missing so later checks do not trip over them twice
         typed.at[b.row, b.column] = None
-    bad += _pandera_bad(PromptSchema, typed)
+    bad += failures(PromptSchema, typed)
     bad += _extra_checks(typed, tokenizer, max_prompt_tokens, instruction, system_prompt)
     order = {c: i for i, c in enumerate(PROMPT_COLUMNS)}
     unique = {(b.row, b.column): b for b in reversed(bad)}  # reversed: the first reason wins
     bad = sorted(unique.values(), key=lambda b: (b.row, order.get(b.column, len(order)), b.column))
-    file_level = any(b.row == 0 for b in bad)
-    keep = [] if file_level else [r for r in typed.index if r not in {b.row for b in bad}]
-    clean = PromptSchema.validate(typed.loc[keep, PROMPT_COLUMNS]) if keep else _empty_prompts()
+    bad_rows = {b.row for b in bad}
+    keep = [] if 0 in bad_rows else [r for r in typed.index if r not in bad_rows]  # row 0: whole file bad
+    clean = PromptSchema.validate(typed.reindex(index=keep, columns=PROMPT_COLUMNS))
     return ValidationReport(n_rows=len(df), bad=bad, clean=clean)
-
-
-def _empty_prompts() -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype="str") for c in PROMPT_COLUMNS}, index=pd.Index([], name="row"))
 
 
 def validate_file(path: str | Path, tokenizer=None, max_prompt_tokens: int | None = 256,

@@ -244,10 +244,11 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     src, kw = _source(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(src, **kw)
-    except OSError as err:
+    except (OSError, ValueError) as err:
         if kw:
             raise _hub_error(src, _short(err)) from None
-        raise ModelError(f"cannot read the tokenizer in {src}: {_short(err)}") from None
+        raise ModelError(f"cannot read a tokenizer in {src} ({_short(err)}); save the tokenizer next to "
+                         "the weights with tokenizer.save_pretrained(DIR).") from None
     return _set_pad(tok)
 
 

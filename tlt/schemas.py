@@ -5,23 +5,41 @@
 unknown column is an error, not silently carried along) and coerce (a numeric answer such as
 42 becomes "42"). Validate with `lazy=True` so that every failure is reported at once.
 
+`failures(schema, df)` runs a schema and turns pandera's failure cases into `BadRow`s
+(row, column, reason) that a user can act on; nobody sees a raw SchemaErrors.
+
 Coercion happens before pandera's checks, so `5` would pass as the prompt "5". `RAW_TYPES`
 therefore checks the Python type of every cell *before* coercion; `tlt.data.validate_rows` runs
 it first and reports a wrong type instead of a silently stringified value.
 """
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Any
 
 import pandas as pd
 import pandera.pandas as pa
 from pandera.typing import Series
 
 PROMPT_COLUMNS = ["id", "prompt", "answer", "task", "difficulty", "meta"]
-REQUIRED_COLUMNS = ["prompt", "answer"]  # the others get defaults in tlt.data (id, task, meta)
 CUSTOM_TASK = "custom"  # task of user rows that no reasoning-gym scorer knows
+
+
+@dataclass(frozen=True)
+class BadRow:
+    """One problem: where (row, column) and what, phrased for the user."""
+
+    row: int  # 1-based row / line number; 0 = the whole file (a missing or unknown column)
+    column: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"row {self.row}, column" if self.row else "column"
+        return f"{where} '{self.column}': {self.reason}"
 
 
 def is_missing(value: object) -> bool:
@@ -115,3 +133,54 @@ class RolloutSchema(pa.DataFrameModel):
     @pa.check("reward", name="finite")
     def _finite(cls, reward: Series[float]) -> Series[bool]:
         return reward.map(math.isfinite)
+
+
+# ---------------------------------------------------------------- failures -> BadRows
+def _reason(check: str, column: str, value: Any) -> str:
+    if check.startswith("wrong type"):
+        return f"{check}, got {type(value).__name__} {value!r:.40}"
+    if check == "not_nullable":
+        return f"missing {column}"
+    if check == "not_blank":
+        return f"empty {column}" if value == "" else f"blank {column} (whitespace only)"
+    if check == "json_object":
+        return f"meta must be a JSON object, got {value!r:.40}"
+    return f"failed check {check} (value {value!r:.40})"
+
+
+def failures(schema, df: pd.DataFrame) -> list[BadRow]:
+    """Validate lazily and translate pandera's failure cases into BadRows (never raises SchemaErrors).
+
+    Rows come from the frame's index; failures that concern a whole column get row 0.
+    """
+    try:
+        schema.validate(df, lazy=True)
+        return []
+    except pa.errors.SchemaErrors as err:
+        cases = err.failure_cases
+    cases = cases.assign(row=[0 if is_missing(i) else int(i) for i in cases["index"]]).sort_values("row", kind="stable")
+    bad, first_id = [], {}
+    for case in cases.itertuples():
+        row = case.row
+        if case.check == "column_in_dataframe":
+            bad.append(BadRow(0, str(case.failure_case), "missing required column"))
+        elif case.check == "column_in_schema":
+            bad.append(BadRow(0, str(case.failure_case), _unknown_column(str(case.failure_case))))
+        elif case.check == "field_uniqueness":  # pandera lists every copy; keep the first as valid
+            if case.failure_case in first_id:
+                bad.append(BadRow(row, "id", f"duplicate id {case.failure_case!r} (first in row "
+                                             f"{first_id[case.failure_case]})"))
+            else:
+                first_id[case.failure_case] = row
+        else:
+            bad.append(BadRow(row, str(case.column), _reason(str(case.check), str(case.column), case.failure_case)))
+    return bad
+
+
+ALIASES = {"question": "prompt", "problem": "prompt", "solution": "answer", "target": "answer", "metadata": "meta"}
+
+
+def _unknown_column(name: str) -> str:
+    near = ALIASES.get(name) or next(iter(difflib.get_close_matches(name, PROMPT_COLUMNS, n=1)), None)
+    hint = f"rename it to '{near}'" if near else "remove it"
+    return f"unknown column; {hint} (allowed: {', '.join(PROMPT_COLUMNS)})"

@@ -161,3 +161,55 @@ def metric_history(run_id: str, key: str, uri: str | None = None) -> list[tuple[
 
     client = MlflowClient(default_tracking_uri(uri))
     return [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
+
+
+# --- read side for `tlt compare` -------------------------------------------------------------
+
+def list_experiments(uri: str | None = None) -> list[str]:
+    """Names of the active experiments of the store (for "did you mean" messages)."""
+    from mlflow.tracking import MlflowClient
+
+    return [e.name for e in MlflowClient(default_tracking_uri(uri)).search_experiments()]
+
+
+def search_runs(experiment: str, uri: str | None = None, max_results: int = 1000) -> list[str]:
+    """Run ids of `experiment`, newest first; [] when the experiment does not exist."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=max_results)
+    return [r.info.run_id for r in runs]
+
+
+def match_run_ids(run_id: str, uri: str | None = None) -> list[str]:
+    """Full ids of the runs whose id is `run_id` or starts with it (the short ids `tlt compare` prints)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    try:
+        return [client.get_run(run_id).info.run_id]
+    except MlflowException:
+        pass  # not a full id: try it as a prefix
+    exp_ids = [e.experiment_id for e in client.search_experiments()]
+    if not exp_ids or not run_id:
+        return []
+    return [r.info.run_id for r in client.search_runs(exp_ids, max_results=50000) if r.info.run_id.startswith(run_id)]
+
+
+def metric_histories(run_id: str, keys: list[str], uri: str | None = None) -> dict[str, list[tuple[int, float]]]:
+    """{key: [(step, value), ...]} sorted by step, one value per step (the latest logged wins, e.g.
+    after a resume re-logs a step); a key never logged maps to []."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    out = {}
+    for key in keys:
+        latest = {}
+        for m in sorted(client.get_metric_history(run_id, key), key=lambda m: (m.step, m.timestamp)):
+            latest[m.step] = m.value
+        out[key] = sorted(latest.items())
+    return out

@@ -124,7 +124,8 @@ def entropy_from_logits(logits: Tensor, chunk: int = 1024) -> Tensor:
     """
     out = []
     for start in range(0, logits.shape[1], chunk):
-        z = logits[:, start:start + chunk].float()
+        # -inf logits (masked vocabulary) would give 0 * -inf = NaN; the finite minimum gives 0.
+        z = logits[:, start:start + chunk].float().clamp(min=torch.finfo(torch.float32).min)
         lse = torch.logsumexp(z, dim=-1)
         out.append(lse - (torch.softmax(z, dim=-1) * z).sum(dim=-1))
     if not out:

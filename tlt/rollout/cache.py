@@ -134,3 +134,15 @@ class SlotCache(Cache):
         for layer in self.layers:
             layer.gather_slots(0, order)
         self.valid = torch.gather(valid, 1, order)
+
+
+def compact_past(past: tuple[torch.Tensor, torch.Tensor], valid: torch.Tensor, min_waste: float = 0.5):
+    """Same right-alignment for a plain (k, v) cache, each [B, n_kv, S, hd], with valid [B, S]."""
+    total = valid.shape[1]
+    width = int(valid.sum(1).max()) if valid.numel() else 0
+    if total == 0 or (total - width) / total < min_waste:
+        return past, valid
+    order = torch.argsort(valid.to(torch.int8), dim=1, stable=True)[:, total - width:]
+    k, v = past
+    idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
+    return (torch.gather(k, 2, idx), torch.gather(v, 2, idx)), torch.gather(valid, 1, order)

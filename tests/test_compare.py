@@ -1,0 +1,115 @@
+"""tlt.compare against a real sqlite MLflow store: numbers in the table, the plot grid, user errors."""
+import math
+import time
+
+import pytest
+
+from tlt import compare
+from tlt.errors import UserError
+from tlt.tracking import MlflowTracker
+
+SD_ON = [  # (step, metrics) of a run with speculative decoding and a drafter
+    (0, {"reward/mean": 0.1, "eval/accuracy": 0.25, "spec/accept_len/mean": 2.0, "timing_s/step": 2.0,
+         "timing_s/update_drafter": 0.5, "rollout/tokens_per_s": 100.0, "perf/tokens_per_s": 50.0,
+         "perf/step_speedup_vs_plain": 1.4}),
+    (1, {"reward/mean": 0.2, "spec/accept_len/mean": 2.5, "timing_s/step": 4.0,
+         "timing_s/update_drafter": 1.0, "rollout/tokens_per_s": 200.0}),
+    (2, {"reward/mean": 0.3, "eval/accuracy": 0.5, "spec/accept_len/mean": 3.0, "timing_s/step": 6.0,
+         "timing_s/update_drafter": 1.5, "rollout/tokens_per_s": 300.0, "perf/step_speedup_vs_plain": 1.6}),
+    (2, {"reward/mean": 0.4}),  # re-logged after a resume: the latest value wins
+]
+SD_OFF = [  # no drafter timing, no speedup, throughput only as perf/tokens_per_s
+    (0, {"reward/mean": 0.0, "spec/accept_len/mean": 1.0, "timing_s/step": 3.0, "perf/tokens_per_s": 80.0}),
+    (1, {"reward/mean": 0.1, "eval/accuracy": 0.3, "spec/accept_len/mean": 1.0, "timing_s/step": 5.0,
+         "perf/tokens_per_s": 120.0}),
+]
+
+
+def _run(experiment: str, name: str, steps) -> str:
+    tracker = MlflowTracker(experiment=experiment, run_name=name)
+    for step, metrics in steps:
+        tracker.log_metrics(metrics, step=step)
+        time.sleep(0.002)  # distinct timestamps, so "latest per step" is well defined
+    tracker.end()
+    return tracker.run_id
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module (creating it runs MLflow's migrations, ~1 s)."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", uri)
+        on = _run("cmp", "sd-on", SD_ON)
+        time.sleep(0.01)
+        off = _run("cmp", "sd-off", SD_OFF)
+        bare = _run("cmp-bare", "bare", [])
+        yield {"uri": uri, "on": on, "off": off, "bare": bare}
+
+
+def test_table_numbers(store):
+    df = compare.compare_runs([store["on"], store["off"]]).set_index("name")
+    on, off = df.loc["sd-on"], df.loc["sd-off"]
+    assert on["run"] == store["on"][:8] and on["status"] == "FINISHED"
+    assert on["accept_len"] == 3.0 and on["accuracy"] == 0.5 and on["reward"] == 0.4
+    assert on["tokens_per_s"] == pytest.approx(200.0)  # rollout/tokens_per_s preferred, mean over steps
+    assert on["sd_speedup"] == pytest.approx(1.5)
+    assert on["step_time_s"] == pytest.approx(4.0)
+    assert on["drafter_share"] == pytest.approx(3.0 / 12.0)
+    assert on["steps"] == 3
+    assert off["tokens_per_s"] == pytest.approx(100.0)  # falls back to perf/tokens_per_s
+    assert math.isnan(off["drafter_share"]) and math.isnan(off["sd_speedup"])
+    assert off["accuracy"] == pytest.approx(0.3) and off["steps"] == 2
+
+
+def test_missing_metrics_are_nan(store):
+    row = compare.compare_runs([store["bare"]], uri=store["uri"]).iloc[0]
+    metrics = ["accept_len", "tokens_per_s", "sd_speedup", "accuracy", "reward", "step_time_s", "drafter_share"]
+    assert all(math.isnan(row[m]) for m in metrics) and row["steps"] == 0
+    assert "-" in compare.format_table(compare.compare_runs([store["bare"]]))
+
+
+def test_by_experiment_newest_first_and_short_ids(store):
+    assert compare.experiment_run_ids("cmp") == [store["off"], store["on"]]
+    df = compare.compare_runs([store["on"][:8], store["on"]])  # a prefix and the full id: one run
+    assert list(df["run_id"]) == [store["on"]]
+
+
+def test_format_table(store):
+    text = compare.format_table(compare.compare_runs([store["on"], store["off"]]))
+    for expected in ("accept len", "drafter share", "sd-on", "sd-off", store["on"][:8], "25.0%", "1.50x", "3.00"):
+        assert expected in text, expected
+
+
+def test_plot_grid(store, tmp_path):
+    fig = compare.compare_plot([store["on"], store["off"]])
+    assert len(fig.axes) == 4
+    assert [ax.get_title() for ax in fig.axes] == list(compare.PLOTTED)
+    assert all(len(ax.lines) == 2 for ax in fig.axes)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert legend == [f"sd-on ({store['on'][:8]})", f"sd-off ({store['off'][:8]})"]
+    assert list(fig.axes[1].lines[0].get_xdata()) == [0, 2]  # eval only where logged
+
+
+def test_command_by_experiment_writes_png(store, tmp_path):
+    out = tmp_path / "sub" / "cmp.png"
+    text = compare.compare_command([], experiment="cmp", out=out)
+    assert "sd-on" in text and "sd-off" in text and str(out) in text
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_unknown_run_id_is_a_user_error(store):
+    with pytest.raises(UserError, match="deadbeef.*--experiment"):
+        compare.compare_runs([store["on"], "deadbeef"])
+
+
+def test_unknown_or_empty_experiment_is_a_user_error(store):
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(store["uri"]).create_experiment("empty")
+    with pytest.raises(UserError, match="'empty' has no runs.*cmp"):
+        compare.compare_command([], experiment="empty")
+    with pytest.raises(UserError, match="'nope' has no runs"):
+        compare.experiment_run_ids("nope")
+    with pytest.raises(UserError, match="run ids"):
+        compare.compare_command([])

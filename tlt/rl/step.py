@@ -1,0 +1,122 @@
+"""One RL step of TLT: rollout (SD in the tail) -> rewards -> GRPO advantages -> the old-log-prob
+forward, which also feeds the drafter buffer -> policy update -> drafter refresh.
+
+The policy lives in this process and the torch engine decodes with the same module, so the
+weight sync after an update is free (no copy, no disk).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tlt.rl.grpo import group_advantages, zero_std_groups
+from tlt.rl.logprobs import forward_logprobs, make_batch
+
+
+class Timer:
+    """Accumulates wall-clock seconds per named section: `with timer("rollout"): ...`."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.s.items()}
+
+
+@dataclass
+class StepContext:
+    """Everything an RL step touches; owned by the pipeline, alive for the whole run."""
+
+    cfg: Any  # RunConfig
+    model: Any
+    tokenizer: Any
+    engine: Any  # tlt.rollout.engine.RolloutEngine
+    updater: Any  # tlt.rl.update.TorchUpdater | DeepSpeedUpdater
+    sampler: Any  # tlt.rl.sampler.PromptSampler
+    reward_fn: Callable
+    encode: Callable[[list[str]], list[list[int]]]
+    refresher: Any = None  # tlt.drafter.refresh.DrafterRefresher, None = no drafter
+    samples: list[dict] = field(default_factory=list)
+
+
+def reward_metrics(rewards: list[float], tasks: list[str], group_ids: list[int]) -> dict[str, float]:
+    r = np.asarray(rewards, dtype=float)
+    out = {"reward/mean": float(r.mean()), "reward/std": float(r.std())}
+    for task in sorted(set(tasks)):
+        sel = np.asarray([t == task for t in tasks])
+        out[f"reward/{task}/mean"] = float(r[sel].mean())
+    zero = zero_std_groups(torch.tensor(r), torch.tensor(group_ids))
+    out["reward/frac_zero_std"] = float(zero.float().mean())
+    return out
+
+
+def _rollout(ctx: StepContext, step: int, timer: Timer):
+    cfg = ctx.cfg
+    rows = ctx.sampler.next(cfg.rollout.prompts_per_step)
+    with timer("rollout"):
+        batch = ctx.engine.generate(ctx.encode(list(rows["prompt"])), group_size=cfg.rollout.group_size,
+                                    temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                    seed=cfg.rl.seed * 100_003 + step, spec=cfg.rollout.spec)
+    return rows, batch
+
+
+def _rewards(ctx: StepContext, rows, batch, timer: Timer):
+    from tlt.rl.rewards import checked_rewards
+
+    g = batch.group_index
+    texts = [ctx.tokenizer.decode(r, skip_special_tokens=True) for r in batch.response_ids]
+    pick = lambda col: [rows[col].iloc[i] for i in g]  # noqa: E731 - per-sample view of a prompt column
+    with timer("reward"):
+        rewards = checked_rewards(ctx.reward_fn, texts, pick("answer"), tasks=pick("task"), metas=pick("meta"))
+    return texts, rewards, pick("task")
+
+
+def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
+    """Run RL step `step`; returns its metrics (names of DESIGN.md)."""
+    from tlt.metrics import rollout_metrics
+    from tlt.rl.update import PolicyBatch
+
+    cfg, timer = ctx.cfg, Timer()
+    t0 = time.perf_counter()
+    rows, batch = _rollout(ctx, step, timer)
+    texts, rewards, tasks = _rewards(ctx, rows, batch, timer)
+    group_ids = torch.tensor(batch.group_index)
+    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
+    keep = ~zero_std_groups(torch.tensor(rewards), group_ids) if cfg.rl.filter_zero_std else torch.ones_like(adv, dtype=torch.bool)
+    ids, attn, resp, pos = make_batch(batch.prompt_ids, batch.response_ids, ctx.tokenizer.pad_token_id)
+    aux_ids = ctx.refresher.aux_layer_ids if ctx.refresher else None
+    with timer("old_logprob"), torch.no_grad():
+        # Scored at temperature 1, the same as the update's forward, so the first ratio is exactly 1.
+        fo = forward_logprobs(ctx.model, ids, attn, resp, aux_layer_ids=aux_ids, position_ids=pos)
+    if ctx.refresher:  # TLT: the drafter's training data comes from this forward, no extra pass
+        ctx.refresher.add_rollouts(step, ids, attn, resp, fo.aux, fo.last_hidden)
+    metrics: dict[str, float] = {}
+    if keep.any():
+        with timer("update_policy"):
+            pb = PolicyBatch(input_ids=ids[keep], attention_mask=attn[keep], response_mask=resp[keep],
+                             old_logp=fo.logp[keep], advantages=adv[keep], position_ids=pos[keep])
+            metrics.update(ctx.updater.step(pb))
+    if ctx.refresher and ctx.refresher.due(step):
+        with timer("update_drafter"):
+            metrics.update(ctx.refresher.refresh(step))
+    metrics.update(rollout_metrics(batch))
+    metrics.update(reward_metrics(rewards, tasks, batch.group_index))
+    metrics.update(timer.metrics())
+    metrics["timing_s/step"] = time.perf_counter() - t0
+    metrics["perf/tokens_per_s"] = sum(map(len, batch.response_ids)) / max(metrics["timing_s/step"], 1e-9)
+    ctx.samples = [{"step": step, "prompt": rows["prompt"].iloc[g], "response": t, "reward": r}
+                   for g, t, r in zip(batch.group_index, texts, rewards)]
+    return metrics

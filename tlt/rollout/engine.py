@@ -1,0 +1,176 @@
+"""Batched rollout engine: HF forward + slot KV cache, tail-switched speculative decoding.
+
+One `generate` call: prefill each distinct prompt once (left padding, explicit positions, a 4D
+boolean mask), replicate its cache `group_size` times, then decode. While more than
+`cfg.spec_threshold` sequences run, each step is one plain decode step for the whole batch; in
+the tail (<= threshold running) each step is a speculative round (draft, verify, accept; see
+spec.py) with the strategy chosen by the tuner per batch-size bucket (TLT §mechanisms 1 and 3).
+Finished sequences leave the batch (their cache rows are dropped).
+"""
+from __future__ import annotations
+
+import time
+import torch
+
+from tlt.config import RolloutConfig, SpecStrategy
+from tlt.rollout.cache import SlotCache
+from tlt.rollout.sampling import sample, token_logprobs
+from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
+
+
+class RolloutEngine:
+    """Generate responses with an HF causal LM; speculative in the tail when a drafter is available.
+
+    drafter: an `Eagle3Drafter` (tlt.drafter.model) or None; None or `cfg.drafter == "ngram"`
+    uses the model-free n-gram prompt-lookup drafter. tuner: a `StrategyTuner` or None (then
+    `cfg.strategy` is used for every round).
+    """
+
+    def __init__(self, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int, drafter=None, tuner=None):
+        from tlt.rollout.ngram import NgramDrafter
+
+        self.model, self.cfg, self.pad_id = model, cfg, pad_id
+        self.eos_ids = list(eos_ids)
+        self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
+        self.ngram = NgramDrafter()
+        self.tuner = tuner
+        self.device = next(model.parameters()).device
+        self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
+        self.forward_calls = 0  # target forwards, for tests (prefill once per group)
+
+    # ---- target forward ------------------------------------------------------------------
+    def forward(self, ids, pos, mask, cache, keep_last: bool = False, hidden: bool = False):
+        """ids/pos [B,Q], mask [B,1,Q,S+Q] bool -> (logits [B,Q|1,V] float, fused drafter hidden [B,Q,Hd] | None)."""
+        self.forward_calls += 1
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
+                         use_cache=True, logits_to_keep=1 if keep_last else 0, output_hidden_states=hidden)
+        fused = None
+        if hidden:
+            aux = self.drafter.gather_aux(out.hidden_states, self.drafter.aux_layer_ids)
+            fused = self.drafter.fuse(aux)
+        return out.logits, fused
+
+    # ---- public API ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                 spec: bool | None = None) -> RolloutBatch:
+        """Sample `group_size` responses per prompt.
+
+        Returns a `RolloutBatch` with len(prompts) * group_size sequences, group-major
+        (sequence i belongs to prompt i // group_size). `logprobs` are the policy log-probs of
+        the sampled tokens at temperature 1 over the raw logits (no temperature, no top-p),
+        as the RL loss needs them, whatever temperature was used for sampling.
+        """
+        cfg = self.cfg
+        opts = dict(max_new=max_new_tokens or cfg.max_new_tokens,
+                    temperature=cfg.temperature if temperature is None else temperature,
+                    top_p=cfg.top_p if top_p is None else top_p)
+        use_spec = cfg.spec if spec is None else spec
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        t0 = time.perf_counter()
+        outs = Outputs.empty(len(prompts) * group_size, opts["max_new"], self.device)
+        st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
+        while st.size > 0:
+            n_run = st.size
+            t_step = time.perf_counter()
+            if use_spec and n_run <= cfg.spec_threshold:
+                self._spec_step(st, opts, gen, outs)
+            else:
+                self._plain_step(st, opts, gen, outs)
+            dt = time.perf_counter() - t_step
+            if n_run <= cfg.spec_threshold:
+                outs.stats["tail_time_s"] += dt
+            self._retire(st, outs)
+        outs.stats["time_s"] = time.perf_counter() - t0
+        return outs.to_batch(prompts, group_size)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def _prefill(self, prompts, group_size, opts, gen, outs, keep_aux: bool) -> DecodeState:
+        """Prefill each prompt once, replicate the cache per group member, sample the first tokens."""
+        t0 = time.perf_counter()
+        lens = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lens.max())
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid = torch.arange(width, device=self.device) >= (width - lens).unsqueeze(1)  # [U, L]
+        pos = (valid.long().cumsum(1) - 1).clamp_min(0)
+        n_layers = self.model.config.num_hidden_layers
+        cache = SlotCache(n_layers, reserve=width + opts["max_new"] + 72)
+        logits, fused = self.forward(ids, pos, prefill_mask(valid), cache, keep_last=True, hidden=keep_aux)
+        cache.valid = valid
+        if group_size > 1:
+            cache.repeat_rows(group_size)
+        rep = lambda t: t.repeat_interleave(group_size, dim=0)  # noqa: E731
+        logits = rep(logits[:, -1])
+        tok = sample(logits, opts["temperature"], opts["top_p"], gen)
+        st = DecodeState(rows=torch.arange(len(prompts) * group_size, device=self.device), cache=cache,
+                         pos=rep(lens), last=tok, n_out=torch.zeros_like(tok),
+                         prompts=[p for p in prompts for _ in range(group_size)])
+        if keep_aux:
+            # Drafter inputs for positions 0..L-1: (fused aux_t, token_{t+1}); the last uses the sampled token.
+            st.add_pending(torch.cat([rep(ids[:, 1:]), tok[:, None]], 1), rep(fused), rep(pos), rep(valid))
+        outs.emit(st, tok[:, None], token_logprobs(logits, tok)[:, None], torch.ones_like(tok), self.eos)
+        outs.passes[st.rows] += 1
+        outs.stats["prefill_s"] += time.perf_counter() - t0
+        return st
+
+    def _plain_step(self, st: DecodeState, opts, gen, outs) -> None:
+        """One decode step for every running row: feed `last`, sample the next token."""
+        ids, pos = st.last[:, None], st.pos[:, None]
+        ones = torch.ones(st.size, 1, dtype=torch.bool, device=self.device)
+        mask = block_mask(st.cache.valid, ones[:, :, None])
+        logits, fused = self.forward(ids, pos, mask, st.cache, hidden=st.pending is not None)
+        logits = logits[:, -1]
+        tok = sample(logits, opts["temperature"], opts["top_p"], gen)
+        st.cache.valid = torch.cat([st.cache.valid, ones], 1)
+        if st.pending is not None:
+            st.add_pending(tok[:, None], fused, pos, ones)
+        st.pos = st.pos + 1
+        st.last = tok
+        outs.emit(st, tok[:, None], token_logprobs(logits, tok)[:, None], ones[:, 0].long(), self.eos)
+        outs.passes[st.rows] += 1
+        outs.stats["decode_steps"] += 1
+
+    def _spec_step(self, st: DecodeState, opts, gen, outs) -> None:
+        """One speculative round with the tuner's (or the configured) strategy."""
+        from tlt.rollout.spec import spec_round
+
+        bsz = st.size
+        strategy = self.tuner.choose(bsz) if self.tuner is not None else self.cfg.strategy
+        t0 = time.perf_counter()
+        produced = spec_round(self, st, strategy, opts, gen, outs)
+        dt = time.perf_counter() - t0
+        if self.tuner is not None:
+            self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
+            outs.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
+
+    def _retire(self, st: DecodeState, outs) -> None:
+        """Drop finished rows from the batch (cache rows too) and compact the cache when sparse."""
+        done = outs.done[st.rows]
+        if bool(done.any()):
+            st.select(torch.nonzero(~done).squeeze(1))
+            if st.size:
+                st.cache.compact()
+
+
+def accept_length(engine: RolloutEngine, prompts: list[list[int]], temperature: float = 0.0,
+                  max_new_tokens: int = 64, strategy: SpecStrategy | None = None) -> float:
+    """Mean tokens per target pass of speculative decoding at batch 1 over `prompts`.
+
+    Runs every prompt alone with SD forced on (threshold >= 1); prefill passes are not counted.
+    """
+    tokens = passes = 0
+    old = engine.cfg
+    engine.cfg = old.model_copy(update={"spec_threshold": max(1, old.spec_threshold),
+                                        **({"strategy": strategy} if strategy else {})})
+    try:
+        for i, p in enumerate(prompts):
+            out = engine.generate([p], max_new_tokens=max_new_tokens, temperature=temperature, seed=i, spec=True)
+            tokens += out.stats["spec_tokens"]
+            passes += out.stats["spec_row_passes"]
+    finally:
+        engine.cfg = old
+    return tokens / max(passes, 1)
+

@@ -1,0 +1,230 @@
+"""Speculative decoding round: draft a tree, verify it in one target forward, accept losslessly.
+
+A draft tree per row has N nodes (padding allowed); in the verify block the root (index 0) is
+the row's newest token `last` and node q (1..N) attends to the cache plus its ancestors (a 4D
+boolean mask; HF Llama/Qwen2 in transformers 5 pass a 4D mask to SDPA unchanged). A chain is
+the tree with one child per node (topk = 1).
+
+Acceptance walks down from the root: greedy accepts the child equal to the target argmax
+(so outputs are identical to plain greedy decoding); sampling tries the children as point-mass
+proposals with recursive rejection (`sampling.reject_siblings`), then samples the bonus token
+from the residual, so outputs follow the policy p exactly (top-p applied to p). Rows accept
+different lengths: the cache keeps each row's accepted slots (`SlotCache.keep_slots`) and masks
+the rest; positions are per-row counters.
+
+EAGLE-3 alignment: drafter position t takes (fuse(target aux_t), token_{t+1}) and predicts
+token_{t+2}. After a round, the target's aux states of the root and the accepted nodes (from
+the verify forward itself) go to the drafter as pending inputs; their last entry is the
+first draft step of the next round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tlt.config import SpecStrategy
+from tlt.rollout.cache import compact_past
+from tlt.rollout.sampling import reject_siblings, target_probs, token_logprobs
+from tlt.rollout.state import DecodeState, Outputs, block_mask
+
+
+@dataclass
+class DraftTree:
+    """tokens [B,N] target ids; parent [B,N] verify-block index of the parent (0 = root);
+    depth [B,N] (1 = child of the root); valid [B,N] (False = padding)."""
+    tokens: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    valid: torch.Tensor
+
+
+def tree_from_nodes(rows: list[list[tuple[int, int, int]]], device) -> DraftTree:
+    """Per-row node lists (token, parent, depth), parents before children -> padded DraftTree."""
+    n = max((len(r) for r in rows), default=0)
+    data = torch.zeros(len(rows), n, 3, dtype=torch.long)
+    valid = torch.zeros(len(rows), n, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        if r:
+            data[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            valid[b, : len(r)] = True
+    data, valid = data.to(device), valid.to(device)
+    return DraftTree(data[..., 0], data[..., 1], data[..., 2], valid)
+
+
+def ancestor_mask(tree: DraftTree) -> torch.Tensor:
+    """[B, Q, Q] bool, Q = N+1: query i sees key j iff j is i or an ancestor of i (root sees itself)."""
+    b, n = tree.tokens.shape
+    par = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=tree.tokens.device), tree.parent], 1)
+    mask = torch.eye(n + 1, dtype=torch.bool, device=par.device).expand(b, n + 1, n + 1).clone()
+    depth = int(tree.depth.max()) if n else 0
+    for _ in range(depth):  # after d rounds every node has absorbed its ancestors up to depth d
+        mask |= mask.gather(1, par.unsqueeze(2).expand(b, n + 1, n + 1))
+    return mask
+
+
+# ---- drafting -------------------------------------------------------------------------------
+def propose_ngram(engine, st: DecodeState, outs: Outputs, strategy: SpecStrategy) -> DraftTree:
+    """Prompt-lookup tree per row over prompt + generated tokens."""
+    gen = outs.tok[st.rows].tolist()
+    rows = [engine.ngram.propose(p + g[:n], strategy.depth, strategy.topk, strategy.tokens)
+            for p, g, n in zip(st.prompts, gen, st.n_out.tolist())]
+    return tree_from_nodes(rows, engine.device)
+
+
+def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy) -> DraftTree:
+    """Feed the pending target states to the drafter, then grow a top-k tree (EAGLE-2 style)."""
+    dr = engine.drafter
+    tok, hid, pos, valid = st.pending
+    key_mask = valid if st.dvalid is None else torch.cat([st.dvalid, valid], 1)
+    h, logits, past = dr(tok, hid, pos, past=st.dpast, key_mask=key_mask)
+    st.dpast, st.dvalid = compact_past(past, key_mask)
+    st.pending = None
+    return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy)
+
+
+def grow_tree(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, strategy: SpecStrategy) -> DraftTree:
+    """Beam-expand k nodes per level for `depth` levels, keep the `tokens` best by cumulative log-prob.
+
+    h_last [B,H], logits [B,Vd]: the drafter's output for the newest committed position.
+    """
+    k, bsz = strategy.topk, st.size
+    score, tok = torch.log_softmax(logits.float(), -1).topk(k, -1)  # [B, k]
+    cands = [(tok, score, torch.full_like(tok, -1), 1)]
+    beam_node = torch.arange(k, device=tok.device).expand(bsz, k)
+    beam_h = h_last[:, None].expand(bsz, k, h_last.shape[-1])
+    past = tuple(t.repeat_interleave(k, 0) for t in st.dpast)
+    kmask = st.dvalid.repeat_interleave(k, 0)
+    n_cand = k
+    ones = torch.ones(bsz * k, 1, dtype=torch.bool, device=tok.device)
+    for level in range(1, strategy.depth):
+        kmask = torch.cat([kmask, ones], 1)
+        p = (st.pos + level - 1).repeat_interleave(k)[:, None]
+        h, lg, past = dr(dr.to_target_ids(tok).reshape(-1, 1), beam_h.reshape(bsz * k, 1, -1), p,
+                         past=past, key_mask=kmask)
+        s2, t2 = torch.log_softmax(lg[:, -1].float(), -1).view(bsz, k, -1).topk(k, -1)  # [B, k, k]
+        s2 = (score[:, :, None] + s2).reshape(bsz, k * k)
+        t2 = t2.reshape(bsz, k * k)
+        cands.append((t2, s2, beam_node[:, :, None].expand(bsz, k, k).reshape(bsz, k * k), level + 1))
+        score, sel = s2.topk(k, -1)
+        parent_beam = sel // k
+        beam_node, tok = n_cand + sel, t2.gather(1, sel)
+        n_cand += k * k
+        beam_h = h[:, -1].view(bsz, k, -1).gather(1, parent_beam[..., None].expand(bsz, k, h.shape[-1]))
+        rows = (torch.arange(bsz, device=tok.device)[:, None] * k + parent_beam).reshape(-1)
+        past = (past[0][rows], past[1][rows])
+    return select_tree(dr, cands, strategy.tokens)
+
+
+def select_tree(dr, cands, n_keep: int) -> DraftTree:
+    """Top `n_keep` candidates by score (parents score >= children, ties go to the shallower)."""
+    tok = torch.cat([c[0] for c in cands], 1)
+    score = torch.cat([c[1] for c in cands], 1)
+    parent = torch.cat([c[2] for c in cands], 1)
+    depth = torch.cat([torch.full_like(c[0], c[3]) for c in cands], 1)
+    n = min(n_keep, tok.shape[1])
+    sel = (score - 1e-4 * depth).topk(n, -1).indices.sort(-1).values  # candidate order = topological
+    qidx = torch.full_like(tok, -1).scatter_(1, sel, torch.arange(1, n + 1, device=tok.device).expand_as(sel))
+    par = parent.gather(1, sel)
+    par_q = torch.where(par >= 0, qidx.gather(1, par.clamp_min(0)), 0)
+    return DraftTree(dr.to_target_ids(tok.gather(1, sel)), par_q.clamp_min(0), depth.gather(1, sel), par_q >= 0)
+
+
+# ---- acceptance -----------------------------------------------------------------------------
+def accept_greedy(logits: torch.Tensor, tree: DraftTree):
+    """logits [B,Q,V] -> (path [B,P] verify indices from the root, n_acc [B], bonus [B])."""
+    tgt = logits.argmax(-1)  # [B, Q]
+    bsz = tgt.shape[0]
+    cur = torch.zeros(bsz, dtype=torch.long, device=tgt.device)
+    alive = torch.ones(bsz, dtype=torch.bool, device=tgt.device)
+    n_acc = torch.zeros_like(cur)
+    path = [cur]
+    for _ in range(int(tree.depth.max()) if tree.depth.numel() else 0):
+        want = tgt.gather(1, cur[:, None])
+        match = (tree.parent == cur[:, None]) & (tree.tokens == want) & tree.valid & alive[:, None]
+        found = match.any(1)
+        cur = torch.where(found, match.to(torch.int8).argmax(1) + 1, cur)
+        alive &= found
+        n_acc += found.long()
+        path.append(cur)
+        if not bool(alive.any()):
+            break
+    return torch.stack(path, 1), n_acc, tgt.gather(1, cur[:, None]).squeeze(1)
+
+
+def accept_sampled(logits: torch.Tensor, tree: DraftTree, temperature: float, top_p: float, gen):
+    """Recursive rejection sampling down the tree; same outputs as `accept_greedy`."""
+    bsz = logits.shape[0]
+    dev = logits.device
+    cur = torch.zeros(bsz, dtype=torch.long, device=dev)
+    alive = torch.ones(bsz, dtype=torch.bool, device=dev)
+    n_acc, bonus = torch.zeros_like(cur), torch.zeros_like(cur)
+    path = [cur]
+    while bool(alive.any()):
+        probs = target_probs(logits[torch.arange(bsz, device=dev), cur], temperature, top_p)  # [B, V]
+        child = (tree.parent == cur[:, None]) & tree.valid & alive[:, None]  # [B, N]
+        n_c = max(1, int(child.sum(1).max()))
+        order = torch.argsort((~child).to(torch.int8), 1, stable=True)[:, :n_c]
+        acc, choice, res = reject_siblings(probs, tree.tokens.gather(1, order), child.gather(1, order), gen)
+        acc &= alive
+        dying = torch.nonzero(alive & ~acc).squeeze(1)
+        if dying.numel():
+            bonus[dying] = torch.multinomial(res[dying], 1, generator=gen).squeeze(1)
+        cur = torch.where(acc, order.gather(1, choice[:, None]).squeeze(1) + 1, cur)
+        n_acc += acc.long()
+        alive = acc
+        path.append(cur)
+    return torch.stack(path, 1), n_acc, bonus
+
+
+# ---- one round ------------------------------------------------------------------------------
+def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen, outs: Outputs) -> int:
+    """Draft, verify, accept, emit, update the caches. Returns the tokens emitted this round."""
+    eagle = engine.drafter is not None
+    tree = propose_eagle(engine, st, strategy) if eagle else propose_ngram(engine, st, outs, strategy)
+    bsz = st.size
+    ids = torch.cat([st.last[:, None], tree.tokens], 1)  # [B, Q]
+    pos = st.pos[:, None] + torch.cat([torch.zeros_like(st.pos)[:, None], tree.depth], 1)
+    start = st.cache.length
+    logits, fused = engine.forward(ids, pos, block_mask(st.cache.valid, ancestor_mask(tree)), st.cache, hidden=eagle)
+    if opts["temperature"] <= 0:
+        path, n_acc, bonus = accept_greedy(logits, tree)
+    else:
+        path, n_acc, bonus = accept_sampled(logits, tree, opts["temperature"], opts["top_p"], gen)
+    m = int(n_acc.max()) + 1
+    path = path[:, :m]
+    j = torch.arange(m, device=ids.device)
+    keep = j[None] <= n_acc[:, None]  # root + accepted nodes go to the cache
+    st.cache.keep_slots(start, path, keep)
+    emitted = torch.cat([ids.gather(1, path)[:, 1:], bonus[:, None]], 1)
+    emitted.scatter_(1, n_acc[:, None], bonus[:, None])  # the bonus follows the last accepted draft
+    path_logits = logits.gather(1, path[..., None].expand(bsz, m, logits.shape[-1]))
+    count = outs.emit(st, emitted, token_logprobs(path_logits, emitted), n_acc + 1, engine.eos)
+    if eagle:
+        _queue_drafter_inputs(st, emitted, fused.gather(1, path[..., None].expand(bsz, m, fused.shape[-1])), keep)
+    st.pos = st.pos + n_acc + 1
+    st.last = bonus
+    _record(outs, st, tree, n_acc, count)
+    return int(count.sum())
+
+
+def _queue_drafter_inputs(st: DecodeState, emitted, hidden, keep) -> None:
+    """Right-align (hidden of root+accepted, next token) per row as the drafter's pending inputs."""
+    bsz, m = emitted.shape
+    shift = m - keep.sum(1, keepdim=True)  # [B, 1]
+    src = (torch.arange(m, device=emitted.device)[None] - shift).clamp_min(0)  # [B, m]
+    valid = torch.arange(m, device=emitted.device)[None] >= shift
+    tok = emitted.gather(1, src)
+    hid = hidden.gather(1, src[..., None].expand(bsz, m, hidden.shape[-1]))
+    st.pending = (tok, hid, st.pos[:, None] + src, valid)
+
+
+def _record(outs: Outputs, st: DecodeState, tree: DraftTree, n_acc, count) -> None:
+    outs.drafted[st.rows] += tree.valid.sum(1)
+    outs.accepted[st.rows] += n_acc
+    outs.passes[st.rows] += 1
+    s = outs.stats
+    s["spec_steps"] += 1
+    s["spec_row_passes"] += st.size
+    s["spec_tokens"] += int(count.sum())
+    outs.count_positions((tree.depth * tree.valid).amax(1) if tree.depth.numel() else n_acc * 0, n_acc)
