@@ -62,7 +62,7 @@ def test_time_breakdown_stacks_stages_in_order_with_other(tmp_path):
                "timing_s/update_drafter": 0.0, "timing_s/step": 10.0}
     fig = plots.time_breakdown(timings)
     ax = fig.axes[0]
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert [s.split(":")[0] for s in labels] == ["rollout", "reward", "update_policy", "other"]
     assert len(ax.patches) == 4
     assert sum(p.get_width() for p in ax.patches) == pytest.approx(10.0)
@@ -115,3 +115,9 @@ def test_metric_units():
     assert plots.metric_unit("rollout/tokens_per_s") == "tokens/s"
     assert plots.metric_unit("eval/accuracy") == "fraction"
     assert plots.metric_unit("reward/mean") == ""
+
+
+def test_draw_curves_keeps_colours_when_a_series_is_empty():
+    fig, axes = plots.new_figure()
+    assert plots.draw_curves(axes[0, 0], {"a": [], "b": [(0, 1.0)]}, "t", "y") == 1
+    assert axes[0, 0].lines[0].get_color() == "C1"

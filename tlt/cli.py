@@ -126,6 +126,16 @@ def bench_rollout(config: Path, json_out: Optional[Path] = typer.Option(None, "-
     bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *sum((["--set", s] for s in set_ or []), [])])
 
 
+@app.command("compare")
+def compare(run_ids: Optional[list[str]] = typer.Argument(None),
+            experiment: Optional[str] = typer.Option(None, "--experiment", help="Compare the newest runs of this experiment"),
+            out_png: Optional[Path] = typer.Option(None, "--out", help="Write the comparison plot (PNG)")) -> None:
+    """Compare runs: accept length, tokens/s, SD speedup, accuracy, reward, step time, drafter share."""
+    from tlt.compare import compare_command
+
+    print(compare_command(run_ids or [], experiment=experiment, out=out_png))
+
+
 @app.command("deploy")
 def deploy(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Optional[list[str]] = SetOpt) -> None:
     """Register tlt-train/manual and tlt-train/retrain (cron from deploy.cron) with the Prefect API."""
@@ -156,7 +166,8 @@ def ui(prefect_port: int = 4200, mlflow_port: int = 5000, host: str = "127.0.0.1
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        rc = app(standalone_mode=False)  # returns Exit codes instead of raising in this mode
+        sys.exit(rc if isinstance(rc, int) else 0)
     except UserError as e:
         err.print(f"error: {e}", markup=False, highlight=False)
         sys.exit(2)
@@ -164,10 +175,8 @@ def main() -> None:
         sys.exit(e.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         sys.exit(130)
-    except Exception as e:  # click usage errors come through here in standalone_mode=False
-        import click
-
-        if isinstance(e, click.ClickException):
+    except Exception as e:  # usage errors (typer's vendored click) come through here in standalone_mode=False
+        if hasattr(e, "show") and hasattr(e, "exit_code"):
             e.show()
             sys.exit(2)
         raise

@@ -110,7 +110,8 @@ class RLConfig(Stage):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 = none)")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus")
     filter_zero_std: bool = Field(False, description="Drop groups whose rewards all agree")
-    reward: Literal["auto", "math", "reasoning_gym"] = Field("auto", description="Reward function")
+    reward: str = Field("auto", description="Reward: auto (reasoning-gym scorer or math-verify), math, reasoning_gym, "
+                        "or a user function 'module:function'")
     seed: int = Field(0, description="Seed of sampling and training")
 
 
@@ -166,6 +167,8 @@ class RunConfig(Stage):
     def _cross_checks(self) -> "RunConfig":
         if self.rl.clip_high < self.rl.clip_low:
             raise ValueError("rl.clip_high must be >= rl.clip_low (DAPO clip-higher); raise rl.clip_high")
+        if self.rl.reward not in ("auto", "math", "reasoning_gym") and ":" not in self.rl.reward:
+            raise ValueError(f"rl.reward '{self.rl.reward}' is unknown; use auto, math, reasoning_gym or 'module:function'")
         if self.trainer.zero_stage and self.trainer.backend != "deepspeed":
             raise ValueError("trainer.zero_stage needs trainer.backend: deepspeed; set it or drop zero_stage")
         return self

@@ -10,6 +10,8 @@ Only safetensors weights are loaded: pickled .bin checkpoints can run code.
 """
 from __future__ import annotations
 
+from tlt.errors import UserError
+
 import fcntl
 import importlib.util
 import os
@@ -85,7 +87,7 @@ CACHE_ENV = "TLT_CACHE_DIR"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class ModelError(ValueError):
+class ModelError(UserError):
     """A model could not be loaded; the message says what to do instead."""
 
 
@@ -133,6 +135,8 @@ def _convert_gguf(dest: Path) -> None:
     model.hf_quantizer = None
     model.save_pretrained(dest, safe_serialization=True)
     tok.save_pretrained(dest)
+    for f in dest.iterdir():  # safetensors writes 0600; a shared cache must be readable by all
+        f.chmod(0o644)
 
 
 def _drop_stale_tmp(root: Path) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 # Order of the stages of one RL step (DESIGN.md `timing_s/*`); other keys follow in input order.
 STAGES = ("rollout", "reward", "old_logprob", "update_policy", "update_drafter", "sync", "checkpoint")
@@ -85,9 +86,10 @@ def acceptance_by_position(accepted_per_pos: list[float], drafted_per_pos: list[
 
 
 def _length_bins(lengths: np.ndarray, max_new_tokens: int | None) -> np.ndarray:
-    top = max(int(lengths.max()), max_new_tokens or 0, 1)
-    n_bins = min(50, top + 1)  # integer-aligned bins, at most 50
-    return np.linspace(0, top + 1, n_bins + 1)
+    """Bins of a whole number of tokens each (no aliasing between bins), at most ~50 of them."""
+    top = max(int(lengths.max()), max_new_tokens or 0, 1) + 1
+    width = math.ceil(top / 50)
+    return np.arange(0, top + width, width)
 
 
 def response_length_hist(lengths: list[int], max_new_tokens: int | None = None) -> Figure:
@@ -139,7 +141,7 @@ def time_breakdown(timings: dict[str, float]) -> Figure:
     if not stages:
         return _no_data_figure(title)
     whole = sum(stages.values())
-    fig, axes = new_figure(height=2.8)
+    fig, axes = new_figure(height=3.0)
     ax = axes[0, 0]
     left = 0.0
     colors = [f"C{i % 10}" for i in range(len(stages))]
@@ -147,20 +149,27 @@ def time_breakdown(timings: dict[str, float]) -> Figure:
         ax.barh([0], [seconds], left=left, color=color, label=f"{stage}: {seconds:.2f} s ({seconds / whole:.0%})")
         left += seconds
     ax.set(title=f"{title} (total {whole:.2f} s)", xlabel="time (s)", yticks=[])
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncols=min(4, len(stages)), fontsize=8)
+    fig.legend(loc="outside lower center", ncols=min(3, len(stages)), fontsize=8)
     return fig
 
 
 def draw_curves(ax: Axes, series: dict[str, list[tuple[int, float]]], title: str, ylabel: str) -> int:
-    """Plot one line per non-empty series {label: [(step, value), ...]} on `ax`; returns the lines drawn."""
+    """Plot one line per non-empty series {label: [(step, value), ...]} on `ax`; returns the lines drawn.
+
+    A label keeps its colour (its position in `series`) even when other series are empty, so
+    one run has one colour in every panel of a grid.
+    """
+    colors = {label: f"C{i % 10}" for i, label in enumerate(series)}
     series = {label: sorted(points) for label, points in series.items() if points}
     if not series:
         mark_no_data(ax, title)
         return 0
     for label, points in series.items():
         steps, values = zip(*points)
-        ax.plot(steps, values, marker="o" if len(points) <= 30 else None, markersize=3, label=label)
+        ax.plot(steps, values, marker="o" if len(points) <= 30 else None, markersize=3, label=label,
+                color=colors[label])
     ax.set(title=title, xlabel="RL step", ylabel=ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
     if len(series) > 1:
         ax.legend(fontsize=8)

@@ -13,6 +13,8 @@ never reach sympy (`9^9^9^9` would otherwise hang `verify`).
 """
 from __future__ import annotations
 
+from tlt.errors import UserError
+
 import importlib
 import json
 import logging
@@ -35,7 +37,7 @@ _FACTORIAL = re.compile(r"([0-9]+)\s*!")
 _TOWER = re.compile(r"[0-9]\s*\^\s*[{(]?\s*[0-9.]+\s*[})]?\s*\^|\^\s*[{(][^})]*\^")
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A user reward function failed or returned something unusable; names the function and the fix."""
 
 

@@ -47,6 +47,15 @@ class PolicyBatch:
             return None if t is None else t[start:stop]
         return PolicyBatch(*(cut(getattr(self, f)) for f in self.__dataclass_fields__))
 
+    def trimmed(self) -> "PolicyBatch":
+        """Drop trailing columns that are padding in every row (right padding: a micro-batch of
+        short responses need not run at the long tail's length)."""
+        width = int(self.attention_mask.sum(dim=1).max()) if len(self) else 0
+
+        def cut(t: Tensor | None) -> Tensor | None:
+            return t if t is None or t.dim() < 2 else t[:, :width]
+        return PolicyBatch(*(cut(getattr(self, f)) for f in self.__dataclass_fields__))
+
 
 def make_optimizer(params, rl: RLConfig) -> torch.optim.AdamW:
     """The policy optimizer of both backends (DeepSpeed gets this very instance)."""
@@ -90,13 +99,15 @@ def _finish_stats(acc: dict[str, float], grad_norm: float, lr: float) -> dict[st
 
 def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, before_micro=None) -> dict:
     """Forward/backward every micro-batch; `backward(loss)` is the backend's backward."""
+    if len(batch) == 0:
+        raise ValueError("empty PolicyBatch: nothing to update (were all groups filtered out?)")
     denom = float(batch.response_mask.sum().clamp(min=1))
     acc: dict[str, float] = {}
     starts = list(range(0, len(batch), micro))
     for i, start in enumerate(starts):
         if before_micro is not None:
             before_micro(i == len(starts) - 1)
-        loss, stats = micro_batch_loss(model, batch.slice(start, start + micro), rl, denom)
+        loss, stats = micro_batch_loss(model, batch.slice(start, start + micro).trimmed(), rl, denom)
         backward(loss)
         for k, v in stats.items():
             acc[k] = acc.get(k, 0.0) + v
