@@ -1,4 +1,4 @@
-"""tlt-train: validate data -> prepare models -> evaluate (later: warm-start, RL steps, export)."""
+"""tlt-train: validate data -> prepare models -> warm-start drafter -> RL steps -> evaluate -> export."""
 from __future__ import annotations
 
 from prefect import flow
@@ -7,19 +7,42 @@ from tasks import stages
 from tlt.config import RunConfig
 
 
-@flow(name="tlt-train", log_prints=True)
-def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None) -> dict:
-    """Train a policy with speculative rollout and an adaptive drafter; every stage is tracked in MLflow."""
-    run_id = stages.start_run(config, resume)
+def _eval_due(step: int, cfg: RunConfig) -> bool:
+    return cfg.eval.every > 0 and step % cfg.eval.every == 0 and step != cfg.rl.steps
+
+
+@flow(name="tlt-train", log_prints=True, retries=1, retry_delay_seconds=10)
+def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrain: bool = False) -> dict:
+    """Train a policy with speculative rollout and an adaptive drafter; every stage is tracked in MLflow.
+
+    `resume`: an MLflow run id to continue from its last checkpoint. `retrain`: start from the
+    registry's champion policy and drafter, promote the new drafter only if it accepts no less.
+    """
+    run_id = stages.start_run(config, resume, retrain)
     try:
-        data = stages.validate_data(run_id)
-        model = stages.prepare_models(run_id)
+        stages.validate_data(run_id)
+        stages.prepare_models(run_id)
+        if config.rollout.drafter == "eagle":
+            stages.warmstart_drafter(run_id)
+        start = stages.resume(run_id)
+        if start == 0:
+            stages.evaluate(run_id, 0)
+        for step in range(start, config.rl.steps):
+            stages.rl_step(run_id, step)
+            if _eval_due(step + 1, config):
+                stages.evaluate(run_id, step + 1)
         final = stages.evaluate(run_id, config.rl.steps)
+        stages.report(run_id)
+        export = None
+        if config.export.enabled and config.rollout.drafter == "eagle":
+            export = stages.export_drafter(run_id)
+            if retrain:
+                stages.promote(run_id, export)
     except BaseException:
         stages.finish_run(run_id, "FAILED")
         raise
     stages.finish_run(run_id)
-    return {"run_id": run_id, "data": data.model_dump(), "model": model.model_dump(), "eval": final.model_dump()}
+    return {"run_id": run_id, "eval": final.model_dump(), "export": export.model_dump() if export else None}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Thin Prefect tasks: each looks up the run's pipeline and calls one stage, then leaves an artifact.
+"""Thin Prefect tasks: each looks up the run's pipeline, calls one stage, and leaves an artifact.
 
 Models stay in the flow process (in the pipeline); tasks pass run ids and small summaries.
 """
@@ -11,30 +11,28 @@ from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
 from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
-from tlt.summaries import DataSummary, EvalSummary, ModelSummary
-from tlt.tracking import make_tracker
-
-
-def _key(name: str) -> str:
-    return name.lower().replace("_", "-").replace("/", "-")
+from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
+from tlt.tracking import find_run, make_tracker
 
 
 @task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def start_run(config: RunConfig, resume_run_id: str | None = None) -> str:
-    tags = {"prefect.flow_run_id": str(flow_run.id or ""), "prefect.flow_run_name": str(flow_run.name or ""),
+def start_run(config: RunConfig, resume_run_id: str | None = None, retrain: bool = False) -> str:
+    """Open the MLflow run (a retried flow run, or --resume, continues its own run)."""
+    fr = str(flow_run.id or "")
+    resume_run_id = resume_run_id or find_run("prefect.flow_run_id", fr, config.tracking.experiment,
+                                              config.tracking.tracking_uri)
+    tags = {"prefect.flow_run_id": fr, "prefect.flow_run_name": str(flow_run.name or ""),
             "prefect.deployment": str(deployment.name or "")}
     tracker = make_tracker(config.tracking, run_name=config.name, tags=tags, run_id=resume_run_id)
-    pipe = open_pipeline(config, tracker)
-    pipe.log_config()
+    open_pipeline(config, tracker, retrain=retrain).log_config()
     return tracker.run_id
 
 
 @task(name="validate-data", cache_policy=NO_CACHE)
 def validate_data(run_id: str) -> DataSummary:
     s = get_pipeline(run_id).validate_data()
-    rows = [{"task": k, "rows": v} for k, v in s.tasks.items()]
-    create_table_artifact(rows, key="data-report", description=(
-        f"{s.n_rows} rows: {s.n_train} train, {s.n_heldout} held out, {s.n_dropped} dropped"))
+    create_table_artifact([{"task": k, "rows": v} for k, v in s.tasks.items()], key="data-report",
+                          description=f"{s.n_rows} rows: {s.n_train} train, {s.n_heldout} held out, {s.n_dropped} dropped")
     return s
 
 
@@ -42,16 +40,62 @@ def validate_data(run_id: str) -> DataSummary:
 def prepare_models(run_id: str) -> ModelSummary:
     s = get_pipeline(run_id).prepare()
     create_markdown_artifact(f"**target** `{s.target}`: {s.n_params / 1e6:.1f} M params, {s.n_layers} layers, "
-                             f"hidden {s.hidden_size}, vocab {s.vocab_size}; loaded in {s.load_s:.1f} s",
-                             key="models")
+                             f"hidden {s.hidden_size}, vocab {s.vocab_size}, loaded in {s.load_s:.1f} s; "
+                             f"drafter {s.drafter_params / 1e6:.2f} M trainable params", key="models")
     return s
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+@task(name="warmstart-drafter", cache_policy=NO_CACHE)
+def warmstart_drafter(run_id: str) -> WarmstartSummary:
+    s = get_pipeline(run_id).warmstart()
+    create_table_artifact([s.model_dump()], key="warmstart", description="held-out accept length before/after warm-start")
+    return s
+
+
+@task(name="resume", cache_policy=NO_CACHE)
+def resume(run_id: str) -> int:
+    return get_pipeline(run_id).resume()
+
+
+@task(name="rl-step", cache_policy=NO_CACHE, task_run_name="rl-step-{step}")
+def rl_step(run_id: str, step: int) -> StepSummary:
+    s = get_pipeline(run_id).rl_step(step)
+    keys = ("reward/mean", "spec/accept_len/mean", "spec/enabled_share", "rollout/tokens_per_s",
+            "rollout/response_length/max", "timing_s/rollout", "timing_s/update_policy", "timing_s/update_drafter",
+            "timing_s/step")
+    create_table_artifact([{"metric": k, "value": round(s.metrics[k], 4)} for k in keys if k in s.metrics],
+                          key="rl-step", description=f"RL step {s.step}")
+    return s
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-{step}")
 def evaluate(run_id: str, step: int) -> EvalSummary:
     s = get_pipeline(run_id).evaluate(step)
-    create_table_artifact([s.model_dump()], key="eval", description=f"greedy accuracy at step {step}")
+    create_table_artifact([s.model_dump()], key="eval", description=f"greedy held-out accuracy at step {step}")
     return s
+
+
+@task(name="report", cache_policy=NO_CACHE)
+def report(run_id: str) -> str:
+    md = get_pipeline(run_id).report()
+    create_markdown_artifact(md, key="run-report")
+    return md
+
+
+@task(name="export-drafter", cache_policy=NO_CACHE)
+def export_drafter(run_id: str) -> ExportSummary:
+    s = get_pipeline(run_id).export()
+    create_markdown_artifact(f"EAGLE-3 drafter exported to `{s.path}` (model version {s.version}, "
+                             f"accept length {s.accept_len or 0:.2f}) in {s.time_s:.1f} s", key="export")
+    return s
+
+
+@task(name="promote", cache_policy=NO_CACHE)
+def promote(run_id: str, export: ExportSummary) -> bool:
+    promoted = get_pipeline(run_id).promote(export)
+    create_markdown_artifact(f"drafter version {export.version}: {'promoted to' if promoted else 'NOT promoted to'} "
+                             "`champion`", key="promote")
+    return promoted
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)

@@ -130,3 +130,164 @@ def test_gather_aux_uses_hf_ids(target, drafter):
     i = drafter.aux_layer_ids[1]
     torch.testing.assert_close(aux[..., 128:256], out.hidden_states[i])
     assert drafter.fuse(aux).shape == (1, 5, 128)
+
+
+# ---- training ---------------------------------------------------------------------------------
+from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, pack, ttt_mask  # noqa: E402
+
+
+@torch.no_grad()
+def chain_accept(d, sample, depth):
+    """Mean accepted length when drafting greedily from every verified response position.
+
+    Engine convention (vLLM EAGLE): prefix positions 0..t get fuse(aux_0..t) and tokens 1..t+1;
+    the last logits draft token t+2; each later step feeds back h and the drafted token at t+k.
+    """
+    ids, aux = sample["input_ids"], sample["aux"]
+    T, P = ids.shape[0], int((~sample["loss_mask"]).sum())
+    accepted = []
+    for t in range(P - 1, T - 2):
+        n = t + 1
+        h, lg, past = d(ids[1:n + 1][None], d.fuse(aux[:n][None]), torch.arange(n)[None])
+        h, tok, acc = h[:, -1:], d.to_target_ids(lg[:, -1:].argmax(-1)), 0
+        while acc < depth and t + 2 + acc < T and tok.item() == ids[t + 2 + acc].item():
+            h, lg, past = d(tok, h, torch.tensor([[n + acc]]), past=past)
+            tok, acc = d.to_target_ids(lg.argmax(-1)), acc + 1
+        accepted.append(acc)
+    return sum(accepted) / len(accepted)
+
+
+def _synthetic_greedy_sample(target, T=20, P=4, seed=0):
+    """Distinct tokens; target_hidden_t points at token_{t+1}, so the sequence is the target's argmax."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(509, generator=g)[:T] + 3
+    s = collect_samples(target, [ids.tolist()], [P], [1, 2, 3])[0]
+    head = target.lm_head.weight.detach()
+    s["target_hidden"] = torch.cat([head[ids[1:]] * 20.0, torch.zeros(1, 128)])
+    return s
+
+
+def _trainer(target, samples, **kw):
+    torch.manual_seed(0)
+    cfg = DrafterConfig(**{"draft_vocab_size": 64, "lr": 5e-3, "loss_token_weight": 1.0, **kw})
+    d = build_drafter(target, cfg)
+    d.set_vocab(count_tokens(samples, 512))
+    return d, DrafterTrainer(d, cfg, target.lm_head.weight)
+
+
+def test_alignment_overfit_reproduces_sequence(target):
+    """Trained with the trainer's shift, greedy chained drafting (engine convention) replays it."""
+    s = _synthetic_greedy_sample(target)
+    d, tr = _trainer(target, [s], ttt_steps=2)
+    batch = pack([s], 64)[0]
+    for _ in range(40):
+        m = tr.step(batch)
+    assert m["drafter/top1_acc"] == 1.0
+    d.eval()
+    assert chain_accept(d, s, depth=1) == 1.0
+    best = sum(min(4, 20 - 2 - t) for t in range(3, 18)) / 15  # every draft accepted
+    assert chain_accept(d, s, depth=4) >= 0.9 * best  # steps past the TTT unroll (2) may drift
+
+
+def test_training_on_real_target(target):
+    """Real greedy continuation: loss falls, params move, embedding frozen, accuracy rises."""
+    torch.manual_seed(0)
+    prompt = torch.randint(3, 512, (1, 6))
+    seq = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None)[0]
+    s = collect_samples(target, [seq.tolist()], [6], default_aux_ids(4))[0]
+    assert s["aux"].shape == (30, 3 * 128) and int(s["loss_mask"].sum()) == 24
+    d, tr = _trainer(target, [s], draft_vocab_size=64)
+    embed_before = d.embed_weight.clone()
+    before = {k: v.clone() for k, v in d.trainable_state_dict().items()}
+    assert not any(p is d.embed_weight for g in tr.opt.param_groups for p in g["params"])
+    batch = pack([s], 64)[0]
+    hist = [tr.step(batch) for _ in range(30)]
+    assert hist[-1]["drafter/loss"] < 0.8 * hist[0]["drafter/loss"]
+    assert hist[-1]["drafter/top1_acc"] > hist[0]["drafter/top1_acc"] + 0.3
+    after = d.trainable_state_dict()
+    for k in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight", "midlayer.hidden_norm.weight"):
+        assert not torch.equal(before[k], after[k]), k
+    assert torch.equal(d.embed_weight, embed_before)
+    assert set(tr.state_dict()["drafter"]) == set(before)
+    d.eval()
+    assert chain_accept(d, s, depth=1) > 0.5
+
+
+def test_packing_equals_separate(target):
+    """Two samples packed in one row give the same loss terms as each alone (block-diagonal mask)."""
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 13)]
+    samples = collect_samples(target, seqs, [3, 4], [1, 2, 3])
+    d, tr = _trainer(target, samples, ttt_steps=2)
+    packed = pack(samples, 64)
+    assert len(packed) == 1 and packed[0]["input_ids"].shape == (1, 22)
+    # First-fit decreasing: the 13-token sample comes first, the 9-token one restarts at 0.
+    assert packed[0]["position_ids"][0, 13].item() == 0 and packed[0]["seq_ids"][0, 13].item() == 1
+    _, m_packed = tr.compute_loss(packed[0])
+    sep = [tr.compute_loss(pack([s], 64)[0])[1] for s in samples]
+    n = [x["drafter/tokens"] for x in sep]
+    expect = (sep[0]["drafter/top1_acc"] * n[0] + sep[1]["drafter/top1_acc"] * n[1]) / sum(n)
+    assert m_packed["drafter/tokens"] == sum(n)
+    assert m_packed["drafter/top1_acc"] == pytest.approx(expect)
+    w = [x["drafter/loss_feature"] * k for x, k in zip(sep, n)]
+    assert m_packed["drafter/loss_feature"] == pytest.approx(sum(w) / sum(n), rel=1e-4)
+
+
+def test_ttt_mask_pattern():
+    seq = torch.tensor([[0, 0, 0, 0, 1, 1]])
+    m = ttt_mask(seq, 2)  # [1,6,18]: step-0 keys q <= p-2, step-1 key p-1, step-2 key p
+    row = m[0, 3]
+    assert row[:6].tolist() == [True, True, False, False, False, False]
+    assert row[6:12].tolist() == [False, False, True, False, False, False]
+    assert row[12:].tolist() == [False, False, False, True, False, False]
+    assert not m[0, 5, :6].any()  # second sample, position 1 < step 2: nothing from step 0
+
+
+def test_selective_checkpoint_roundtrip(target):
+    s = _synthetic_greedy_sample(target)
+    d, tr = _trainer(target, [s])
+    batch = pack([s], 64)[0]
+    tr.step(batch)
+    state = tr.state_dict()
+    assert "embed_weight" not in state["drafter"]
+    m1 = tr.step(batch)
+    d2, tr2 = _trainer(target, [s])
+    tr2.load_state_dict(state)
+    m2 = tr2.step(batch)
+    assert m1["drafter/loss"] == pytest.approx(m2["drafter/loss"], rel=1e-5)
+    torch.testing.assert_close(d2.fc.weight, d.fc.weight)
+
+
+# ---- online buffer ------------------------------------------------------------------------
+from tlt.drafter.buffer import DraftBuffer  # noqa: E402
+
+
+def _add(buf, step, T, H=8):
+    buf.add(step, torch.arange(T) % 5, torch.randn(T, 3 * H), torch.randn(T, H), torch.arange(T) >= 2)
+
+
+def test_buffer_keeps_last_steps_and_token_bound():
+    buf = DraftBuffer(max_steps=2, max_tokens=100)
+    for step in range(3):
+        for _ in range(2):
+            _add(buf, step, 10)
+    assert buf.steps == [1, 2] and len(buf) == 4 and buf.num_tokens == 40  # one-step offset
+    for _ in range(8):
+        _add(buf, 2, 10)
+    assert buf.num_tokens <= 100 and buf.steps == [2] and len(buf) == 10  # oldest evicted first
+    meta = buf.metadata()
+    assert meta["evicted_sequences"] == 4 and meta["num_tokens"] == 100 and meta["latest_step"] == 2
+    # bf16 storage, float32 on read: 10 * (3*8 + 8) * 2 bytes per sequence of hidden states
+    assert buf._items[0][1]["aux"].dtype == torch.bfloat16
+    s = buf.samples()[0]
+    assert s["aux"].dtype == torch.float32 and s["loss_mask"].dtype == torch.bool
+    assert buf.nbytes == 10 * (10 * 32 * 2 + 10 * 8 + 10 * 1)
+    assert int(buf.token_counts(5).sum()) == 10 * 8
+    batches = buf.batches(64, rng=0)
+    assert sum(int((b["seq_ids"] >= 0).sum()) for b in batches) == 100
+
+
+def test_buffer_rejects_ragged():
+    buf = DraftBuffer(2, 100)
+    with pytest.raises(ValueError, match="lengths differ"):
+        buf.add(0, torch.arange(4), torch.randn(3, 24), torch.randn(4, 8), torch.ones(4, dtype=torch.bool))

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from tlt.config import RunConfig, dump_yaml, flatten
-from tlt.summaries import DataSummary, EvalSummary, ModelSummary
+from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import NullTracker
 
 _PIPELINES: dict[str, "Pipeline"] = {}
 
 
-def open_pipeline(cfg: RunConfig, tracker) -> "Pipeline":
-    pipe = Pipeline(cfg, tracker)
+def open_pipeline(cfg: RunConfig, tracker, retrain: bool = False) -> "Pipeline":
+    pipe = Pipeline(cfg, tracker, retrain=retrain)
     _PIPELINES[tracker.run_id] = pipe
     return pipe
 
@@ -35,15 +35,22 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
 
 
 class Pipeline:
-    def __init__(self, cfg: RunConfig, tracker=None):
-        self.cfg = cfg
+    def __init__(self, cfg: RunConfig, tracker=None, retrain: bool = False):
+        from tlt.report import RunRecord
+
+        self.cfg, self.retrain = cfg, retrain
         self.tracker = tracker or NullTracker()
         name = tracker.run_id if tracker is not None and tracker.run_id else cfg.name
         self.run_dir = Path(cfg.trainer.checkpoint_dir) / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.rl.seed)
-        self.model = self.tokenizer = self.dataset = None
+        self.model = self.tokenizer = self.dataset = self.engine = self.drafter = None
+        self.refresher = self.ctx = None
         self.eos_ids: list[int] = []
+        self.record = RunRecord()
+        self.evals: list[tuple[int, float]] = []
+        self.champion: dict | None = None  # retrain: the registry's champion drafter version
+        self.last_checkpoint: Path | None = None
 
     # -- stage 0: record what this run is ------------------------------------------------------
     def log_config(self) -> None:
@@ -88,25 +95,48 @@ class Pipeline:
 
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_target(self.cfg.model)
+        if self.retrain:
+            self._load_champion_policy()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model)
+        self._build_engine()
         c = self.model.config
         summary = ModelSummary(target=self.cfg.model.name_or_path, n_params=sum(p.numel() for p in self.model.parameters()),
                                n_layers=c.num_hidden_layers, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                               load_s=time.perf_counter() - t0)
+                               load_s=time.perf_counter() - t0,
+                               drafter_params=sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
+                               if self.drafter is not None else 0)
         self.tracker.log_metrics({"timing_s/load_model": summary.load_s}, step=0)
         return summary
 
+    def _load_champion_policy(self) -> None:
+        """Retrain: continue from the policy checkpoint that the champion drafter was trained with."""
+        from safetensors.torch import load_file
+
+        from tlt.tracking import champion
+
+        self.champion = champion(self.cfg.export.model_name, self.cfg.tracking.tracking_uri)
+        ckpt = (self.champion or {}).get("tags", {}).get("policy_checkpoint")
+        if ckpt and (Path(ckpt) / "policy.safetensors").exists():
+            self.model.load_state_dict(load_file(Path(ckpt) / "policy.safetensors"), strict=True)
+            self.tracker.set_tags({"retrain.from_version": self.champion["version"], "retrain.policy": ckpt})
+
+    def _build_engine(self) -> None:
+        from tlt.drafter.model import build_drafter
+        from tlt.rollout.engine import RolloutEngine
+        from tlt.rollout.tuner import StrategyTuner
+
+        r = self.cfg.rollout
+        self.drafter = build_drafter(self.model, self.cfg.drafter) if r.drafter == "eagle" else None
+        tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=self.cfg.rl.seed) if r.tuner else None
+        self.engine = RolloutEngine(self.model, r, self.eos_ids, self.tokenizer.pad_token_id,
+                                    drafter=self.drafter, tuner=tuner)
+
     # -- evaluation ----------------------------------------------------------------------------
     def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy responses (token ids, EOS stripped) for a batch of prompt ids."""
-        pad = self.tokenizer.pad_token_id
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=self.eos_ids, pad_token_id=pad)
-        return [_strip(row[width:].tolist(), self.eos_ids, pad) for row in out]
+        """Greedy responses (token ids, EOS excluded) through the rollout engine (SD as configured)."""
+        out = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0,
+                                   spec=self.cfg.rollout.spec)
+        return [[t for t in r if t not in self.eos_ids] for r in out.response_ids]
 
     def evaluate(self, step: int) -> EvalSummary:
         from tlt.evaluate import evaluate
@@ -117,15 +147,134 @@ class Pipeline:
             heldout, self.prompt_ids(heldout["prompt"]), self.generate_greedy,
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), get_reward_fn(self.cfg.rl.reward),
             self.cfg.eval.max_new_tokens, self.cfg.eval.batch_size, step)
-        self.tracker.log_metrics({"eval/accuracy": summary.accuracy, "eval/response_length/mean": summary.mean_length,
-                                  "timing_s/eval": summary.time_s}, step=step)
+        metrics = {"eval/accuracy": summary.accuracy, "eval/response_length/mean": summary.mean_length,
+                   "timing_s/eval": summary.time_s}
+        if self.drafter is not None and self.refresher is not None:
+            summary.accept_len = self.heldout_accept_len()
+            metrics["eval/accept_len"] = summary.accept_len
+        self.tracker.log_metrics(metrics, step=step)
+        self.evals.append((step, summary.accuracy))
         self.tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
         self.last_eval_records = records
         return summary
 
+    def heldout_accept_len(self) -> float:
+        """Greedy SD at batch 1 over the first held-out prompts: mean tokens per target pass."""
+        from tlt.rollout.engine import accept_length
 
-def _strip(ids: list[int], eos_ids: list[int], pad: int) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in eos_ids:
-            return ids[:i]
-    return [t for t in ids if t != pad]
+        d = self.cfg.drafter
+        prompts = self.prompt_ids(self.dataset.heldout["prompt"][: d.warmstart_eval_prompts])
+        return accept_length(self.engine, prompts, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
+
+    def report(self) -> str:
+        from tlt.report import log_report
+
+        return log_report(self.record, self.evals, self.tracker, self.cfg.rollout.max_new_tokens)
+
+    # -- stage 3: drafter warm-start -------------------------------------------------------------
+    def warmstart(self) -> WarmstartSummary:
+        from tlt.drafter.refresh import DrafterRefresher
+        from tlt.drafter.warmstart import warmstart
+
+        ds, d = self.dataset, self.cfg.drafter
+        if self.champion is not None:  # retrain: start from the champion drafter, no warm-start
+            return self._load_champion_drafter()
+        summary, trainer = warmstart(
+            self.model, self.drafter, self.engine, self.prompt_ids(ds.train["prompt"][: d.warmstart_prompts]),
+            self.prompt_ids(ds.heldout["prompt"][: d.warmstart_eval_prompts]), self.cfg,
+            Path(self.cfg.model.cache_dir).parent / "drafters", log=self.tracker.log_metrics)
+        self.refresher = DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
+        self.tracker.log_metrics({"warmstart/accept_len_before": summary.accept_len_before,
+                                  "warmstart/accept_len_after": summary.accept_len_after,
+                                  "warmstart/accept_len_after_t1": summary.accept_len_after_t1 or 0.0,
+                                  "warmstart/tokens": summary.n_tokens, "timing_s/warmstart": summary.time_s}, step=0)
+        return summary
+
+    def _load_champion_drafter(self) -> WarmstartSummary:
+        from safetensors.torch import load_file
+
+        from tlt.drafter.refresh import DrafterRefresher
+        from tlt.drafter.train import DrafterTrainer
+        from tlt.tracking import download
+
+        t0 = time.perf_counter()
+        local = download(self.champion["source"], self.run_dir / "champion", self.cfg.tracking.tracking_uri)
+        self.drafter.load_state_dict(load_file(local / "model.safetensors"), strict=True)
+        trainer = DrafterTrainer(self.drafter, self.cfg.drafter, self.model.get_output_embeddings().weight)
+        self.refresher = DrafterRefresher(trainer, self.cfg.drafter, seed=self.cfg.rl.seed)
+        acc = self.heldout_accept_len()
+        return WarmstartSummary(accept_len_before=acc, accept_len_after=acc, n_samples=0, n_tokens=0, train_steps=0,
+                                time_s=time.perf_counter() - t0, cached=True, path=str(local))
+
+    def promote(self, export: ExportSummary) -> bool:
+        """Move the `champion` alias to the new version unless held-out accept length dropped."""
+        from tlt.tracking import set_champion
+
+        old = float((self.champion or {}).get("tags", {}).get("accept_len", "0") or 0)
+        ok = export.version is not None and (export.accept_len or 0.0) >= old
+        if ok:
+            set_champion(self.cfg.export.model_name, export.version, self.cfg.tracking.tracking_uri)
+        self.tracker.log_metrics({"export/promoted": float(ok), "export/champion_accept_len": old}, self.cfg.rl.steps)
+        return ok
+
+    # -- stage 4: RL steps -----------------------------------------------------------------------
+    def _context(self):
+        if self.ctx is None:
+            from tlt.rl.rewards import get_reward_fn
+            from tlt.rl.sampler import PromptSampler
+            from tlt.rl.step import StepContext
+            from tlt.rl.update import make_updater
+
+            self.ctx = StepContext(cfg=self.cfg, model=self.model, tokenizer=self.tokenizer, engine=self.engine,
+                                   updater=make_updater(self.model, self.cfg),
+                                   sampler=PromptSampler(self.dataset.train, seed=self.cfg.data.seed),
+                                   reward_fn=get_reward_fn(self.cfg.rl.reward), encode=self.prompt_ids,
+                                   refresher=self.refresher if self.cfg.drafter.refresh_every or
+                                   self.cfg.drafter.refresh_below_accept_len else None)
+        return self.ctx
+
+    def resume(self) -> int:
+        """Restore the newest verified checkpoint of this run; returns the first step still to run."""
+        from tlt.rl.resume import restore_run_state
+
+        state = restore_run_state(self._context(), self.run_dir / "checkpoints")
+        return 0 if state is None else state["step"] + 1
+
+    def rl_step(self, step: int) -> StepSummary:
+        from tlt.rl.resume import save_run_state
+        from tlt.rl.step import rl_step
+
+        ctx = self._context()
+        metrics = rl_step(ctx, step)
+        if (step + 1) % self.cfg.trainer.checkpoint_every == 0 or step + 1 == self.cfg.rl.steps:
+            t0 = time.perf_counter()
+            self.last_checkpoint = save_run_state(ctx, step, self.run_dir / "checkpoints",
+                                                  self.cfg.trainer.checkpoint_keep)
+            metrics["timing_s/checkpoint"] = time.perf_counter() - t0
+        self.tracker.log_metrics(metrics, step=step + 1)
+        self.record.add_step(step + 1, metrics, ctx.last_batch)
+        every = self.cfg.tracking.samples_every
+        if every and (step + 1) % every == 0:
+            self.tracker.log_table(ctx.samples, f"rollouts/step_{step + 1:04d}.json")
+        return StepSummary(step=step + 1, reward_mean=metrics["reward/mean"], accept_len=metrics.get("spec/accept_len/mean"),
+                           step_s=metrics["timing_s/step"], metrics={k: float(v) for k, v in metrics.items()})
+
+    # -- stage 6: export ---------------------------------------------------------------------------
+    def export(self) -> ExportSummary:
+        """EAGLE-3 directory (EXPORT_SPEC.md) logged to MLflow and registered as a model version."""
+        from tlt.export import export_eagle3
+
+        t0 = time.perf_counter()
+        accept_len = self.heldout_accept_len()
+        e = self.cfg.export
+        out = Path(e.out_dir) if e.out_dir else self.run_dir / "drafter_export"
+        export_eagle3(self.drafter, self.model.config, out, force=e.out_dir is None)
+        self.tracker.log_artifacts(out, "drafter")
+        version = None
+        if e.register_model and hasattr(self.tracker, "register"):
+            tags = {"target": self.cfg.model.name_or_path, "accept_len": f"{accept_len:.3f}", "format": "eagle3",
+                    "policy_checkpoint": str(self.last_checkpoint.resolve()) if self.last_checkpoint else ""}
+            version = self.tracker.register(e.model_name, "drafter", tags=tags)
+        summary = ExportSummary(path=str(out), version=version, accept_len=accept_len, time_s=time.perf_counter() - t0)
+        self.tracker.log_metrics({"timing_s/export": summary.time_s}, step=self.cfg.rl.steps)
+        return summary

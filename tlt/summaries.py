@@ -30,6 +30,7 @@ class EvalSummary(BaseModel):
     n: int
     mean_length: float
     time_s: float
+    accept_len: float | None = None
 
 
 class WarmstartSummary(BaseModel):

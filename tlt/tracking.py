@@ -213,3 +213,44 @@ def metric_histories(run_id: str, keys: list[str], uri: str | None = None) -> di
             latest[m.step] = m.value
         out[key] = sorted(latest.items())
     return out
+
+
+# ---- model registry: champion alias for scheduled retraining -----------------------------------
+def champion(name: str, uri: str | None = None, alias: str = "champion") -> dict | None:
+    """The version behind `alias` of registered model `name`: {version, source, tags}; None if unset."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    try:
+        mv = client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+    return {"version": mv.version, "source": mv.source, "tags": dict(mv.tags), "run_id": mv.run_id}
+
+
+def set_champion(name: str, version: str, uri: str | None = None, alias: str = "champion") -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(default_tracking_uri(uri)).set_registered_model_alias(name, alias, version)
+
+
+def download(source: str, dst: str | Path, uri: str | None = None) -> Path:
+    """Copy a registered model version's artifacts (its `source` URI) to a local folder."""
+    import mlflow
+
+    mlflow.set_tracking_uri(default_tracking_uri(uri))
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst)))
+
+
+def find_run(tag: str, value: str, experiment: str, uri: str | None = None) -> str | None:
+    """The newest run of `experiment` whose tag `tag` equals `value` (a retried flow run finds its run)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(default_tracking_uri(uri))
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None or not value:
+        return None
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{tag}` = '{value}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None

@@ -19,6 +19,7 @@ Feature loss (documented choice, `DrafterConfig.feature_target`):
 """
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -193,7 +194,8 @@ class DrafterTrainer:
     def state_dict(self) -> dict:
         """Selective checkpoint: trainable weights (+ vocab maps) and optimizer, no embedding."""
         return {"drafter": {k: v.detach().clone() for k, v in self.drafter.trainable_state_dict().items()},
-                "optimizer": self.opt.state_dict(), "num_steps": self.num_steps}
+                # deepcopy: Adam's moments are updated in place by later steps (async checkpoints).
+                "optimizer": copy.deepcopy(self.opt.state_dict()), "num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state["drafter"], strict=True)

@@ -50,6 +50,7 @@ class StepContext:
     encode: Callable[[list[str]], list[list[int]]]
     refresher: Any = None  # tlt.drafter.refresh.DrafterRefresher, None = no drafter
     samples: list[dict] = field(default_factory=list)
+    last_batch: Any = None  # the last RolloutBatch, for run-level plots
 
 
 def reward_metrics(rewards: list[float], tasks: list[str], group_ids: list[int]) -> dict[str, float]:
@@ -92,6 +93,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     cfg, timer = ctx.cfg, Timer()
     t0 = time.perf_counter()
     rows, batch = _rollout(ctx, step, timer)
+    metrics: dict[str, float] = rollout_metrics(batch)
     texts, rewards, tasks = _rewards(ctx, rows, batch, timer)
     group_ids = torch.tensor(batch.group_index)
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
@@ -103,20 +105,21 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         fo = forward_logprobs(ctx.model, ids, attn, resp, aux_layer_ids=aux_ids, position_ids=pos)
     if ctx.refresher:  # TLT: the drafter's training data comes from this forward, no extra pass
         ctx.refresher.add_rollouts(step, ids, attn, resp, fo.aux, fo.last_hidden)
-    metrics: dict[str, float] = {}
     if keep.any():
         with timer("update_policy"):
             pb = PolicyBatch(input_ids=ids[keep], attention_mask=attn[keep], response_mask=resp[keep],
                              old_logp=fo.logp[keep], advantages=adv[keep], position_ids=pos[keep])
             metrics.update(ctx.updater.step(pb))
-    if ctx.refresher and ctx.refresher.due(step):
-        with timer("update_drafter"):
-            metrics.update(ctx.refresher.refresh(step))
-    metrics.update(rollout_metrics(batch))
+    if ctx.refresher:
+        ctx.refresher.observe(metrics.get("spec/accept_len/mean"))
+        if ctx.refresher.due(step):
+            with timer("update_drafter"):
+                metrics.update(ctx.refresher.refresh(step))
     metrics.update(reward_metrics(rewards, tasks, batch.group_index))
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics["perf/tokens_per_s"] = sum(map(len, batch.response_ids)) / max(metrics["timing_s/step"], 1e-9)
+    ctx.last_batch = batch
     ctx.samples = [{"step": step, "prompt": rows["prompt"].iloc[g], "response": t, "reward": r}
                    for g, t, r in zip(batch.group_index, texts, rewards)]
     return metrics

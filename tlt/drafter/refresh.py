@@ -1,0 +1,67 @@
+"""Adaptive drafter: the online buffer fed by the RL step's own forward, and the refresh policy.
+
+TLT mechanism 2: the drafter keeps learning from the freshest rollouts. Its data are the target
+hidden states of the old-log-prob forward (no extra pass); the buffer keeps the last
+`buffer_steps` RL steps (one-step offset: the previous step's long responses stay in).
+"""
+from __future__ import annotations
+
+import time
+import torch
+
+from tlt.drafter.buffer import DraftBuffer
+from tlt.drafter.train import DrafterTrainer
+
+
+class DrafterRefresher:
+    """Owns the drafter's buffer and trainer; decides when to refresh and runs the refresh."""
+
+    def __init__(self, trainer: DrafterTrainer, cfg, seed: int = 0):
+        self.trainer, self.cfg = trainer, cfg
+        self.drafter = trainer.drafter
+        self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens)
+        self.rng = torch.Generator().manual_seed(seed)
+        self.last_accept: float | None = None
+        self.total_steps = 0
+
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.drafter.aux_layer_ids
+
+    def add_rollouts(self, step: int, ids, attn, resp, aux, last_hidden) -> None:
+        """Rows of the old-log-prob forward [B,T,...] (right padded) -> buffer samples."""
+        for i in range(ids.shape[0]):
+            n = int(attn[i].sum())
+            self.buffer.add(step, ids[i, :n], aux[i, :n], last_hidden[i, :n], resp[i, :n])
+
+    def observe(self, accept_len: float | None) -> None:
+        """The rollout's measured accept length (spec/accept_len/mean), for the below-threshold trigger."""
+        if accept_len is not None:
+            self.last_accept = accept_len
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.refresh_every
+        if every and (step + 1) % every == 0:
+            return True
+        low = self.cfg.refresh_below_accept_len
+        return low is not None and self.last_accept is not None and self.last_accept < low
+
+    def refresh(self, step: int) -> dict[str, float]:
+        """`refresh_steps` drafter updates on the buffer (accept length is measured by the next rollout)."""
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        history = []
+        batches = self.buffer.batches(self.cfg.batch_tokens, self.rng)
+        for i in range(self.cfg.refresh_steps):
+            if not batches:
+                break
+            history.append(self.trainer.step(batches[i % len(batches)]))
+        for key in ("drafter/loss", "drafter/loss_feature", "drafter/loss_token", "drafter/top1_acc"):
+            vals = [h[key] for h in history if key in h]
+            if vals:
+                metrics[key] = sum(vals) / len(vals)
+        self.total_steps += len(history)
+        metrics["drafter/steps"] = float(self.total_steps)
+        metrics["drafter/buffer_tokens"] = float(self.buffer.num_tokens)
+        metrics["drafter/train_s"] = time.perf_counter() - t0
+        return metrics

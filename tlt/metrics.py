@@ -1,0 +1,61 @@
+"""Rollout and speculative-decoding metrics as pure functions: records -> dict[str, float].
+
+Names follow DESIGN.md (`rollout/...`, `spec/...`). Input: a `tlt.rollout.state.RolloutBatch`
+(any object with the same fields works; nothing here runs a model).
+"""
+from __future__ import annotations
+
+import statistics
+
+
+def _percentile(values: list[int], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * (len(s) - 1)))))
+    return float(s[k])
+
+
+def length_metrics(lengths: list[int]) -> dict[str, float]:
+    if not lengths:
+        return {}
+    return {"rollout/response_length/mean": float(statistics.fmean(lengths)),
+            "rollout/response_length/p50": _percentile(lengths, 50),
+            "rollout/response_length/p90": _percentile(lengths, 90),
+            "rollout/response_length/max": float(max(lengths))}
+
+
+def spec_metrics(drafted: list[int], accepted: list[int], stats: dict) -> dict[str, float]:
+    """Acceptance metrics of the speculative rounds (empty when SD never ran)."""
+    passes = stats.get("spec_row_passes", 0)
+    tokens = stats.get("tokens", 0)
+    out = {"spec/enabled_share": stats.get("spec_tokens", 0) / tokens if tokens else 0.0}
+    if not passes:
+        return out
+    out["spec/accept_len/mean"] = stats["spec_tokens"] / passes
+    out["spec/accept_rate"] = sum(accepted) / max(1, sum(drafted))
+    for i, (a, d) in enumerate(zip(stats.get("accepted_pos", []), stats.get("drafted_pos", []))):
+        if d:
+            out[f"spec/accept_rate/pos_{i}"] = a / d
+    for bucket, counts in stats.get("strategy", {}).items():
+        # The arm played most often in this bucket (its index in the tuner's arm list).
+        out[f"spec/strategy/{bucket}"] = float(max(counts, key=lambda k: (counts[k], -int(k))))
+    return out
+
+
+def rollout_metrics(batch) -> dict[str, float]:
+    """All rollout metrics of one `generate` call.
+
+    spec/accept_len/mean: tokens per target pass during SD; spec/accept_rate: accepted / drafted
+    tokens (for trees, drafted counts every verified node); spec/accept_rate/pos_i: share of
+    rounds drafting depth i+1 whose draft was accepted down to it; spec/enabled_share: share of
+    tokens emitted by SD rounds; rollout/tail_share: share of time with <= spec_threshold rows.
+    """
+    stats = batch.stats
+    lengths = [len(r) for r in batch.response_ids]
+    time_s = float(stats.get("time_s", 0.0))
+    out = {"rollout/time_s": time_s,
+           "rollout/tokens_per_s": sum(lengths) / time_s if time_s > 0 else 0.0,
+           "rollout/tail_share": stats.get("tail_time_s", 0.0) / time_s if time_s > 0 else 0.0}
+    out.update(length_metrics(lengths))
+    out.update(spec_metrics(batch.drafted, batch.accepted, stats))
+    return out

@@ -1,0 +1,100 @@
+"""Bucketed epsilon-greedy bandit over speculative strategies (TLT mechanism 3, "BEG-MAB").
+
+Batch sizes fall into buckets by lower bound (default 1, 2, 5, 21). Each bucket has its own arms
+(depth x topk x tokens); bigger trees for smaller batches, as in TLT's 48/32/16/8 tokens, scaled
+down for CPU. Reward of one round = tokens emitted (accept length x batch size) / round time;
+an arm's value is the median of its last `window` rewards. Untried arms are played first.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from collections import deque
+
+from tlt.config import SpecStrategy
+
+# (depth, topk, tokens) per bucket, smallest batches first; the last row serves any later bucket.
+_DEFAULT_TABLE = [
+    [(6, 1, 6), (4, 1, 4), (5, 2, 10), (6, 4, 16)],
+    [(5, 1, 5), (3, 1, 3), (4, 2, 8), (5, 3, 12)],
+    [(4, 1, 4), (2, 1, 2), (4, 2, 8)],
+    [(3, 1, 3), (2, 1, 2), (4, 1, 4)],
+]
+
+
+def default_arms(buckets: list[int]) -> list[list[SpecStrategy]]:
+    """Arms per bucket from `_DEFAULT_TABLE` (bucket i uses row min(i, last))."""
+    rows = [_DEFAULT_TABLE[min(i, len(_DEFAULT_TABLE) - 1)] for i in range(len(buckets))]
+    return [[SpecStrategy(depth=d, topk=k, tokens=t) for d, k, t in row] for row in rows]
+
+
+def _key(s: SpecStrategy) -> tuple[int, int, int]:
+    return (s.depth, s.topk, s.tokens)
+
+
+class StrategyTuner:
+    """choose(batch_size) -> SpecStrategy; update(batch_size, arm, reward); state()/load_state()."""
+
+    def __init__(self, arms: list[list[SpecStrategy]] | None = None, buckets: list[int] | None = None,
+                 epsilon: float = 0.1, seed: int = 0, window: int = 300):
+        self.buckets = sorted(buckets or [1, 2, 5, 21])
+        self.arms = arms if arms is not None else default_arms(self.buckets)
+        if len(self.arms) != len(self.buckets) or not all(self.arms):
+            raise ValueError(f"need a non-empty arm list per bucket: {len(self.buckets)} buckets, "
+                             f"{len(self.arms)} arm lists")
+        self.epsilon, self.window = epsilon, window
+        self.rng = random.Random(seed)
+        self.rewards = [[deque(maxlen=window) for _ in arms] for arms in self.arms]
+
+    def bucket_of(self, batch_size: int) -> int:
+        """Index of the bucket with the largest lower bound <= batch_size (bucket 0 below the first)."""
+        idx = 0
+        for i, low in enumerate(self.buckets):
+            if batch_size >= low:
+                idx = i
+        return idx
+
+    def arm_index(self, batch_size: int, arm: SpecStrategy) -> int:
+        keys = [_key(a) for a in self.arms[self.bucket_of(batch_size)]]
+        return keys.index(_key(arm))
+
+    def values(self, bucket: int) -> list[float | None]:
+        """Median reward per arm of a bucket (None = never tried)."""
+        return [statistics.median(r) if r else None for r in self.rewards[bucket]]
+
+    def best(self, batch_size: int) -> SpecStrategy:
+        b = self.bucket_of(batch_size)
+        vals = self.values(b)
+        scored = [(v, i) for i, v in enumerate(vals) if v is not None]
+        return self.arms[b][max(scored)[1] if scored else 0]
+
+    def choose(self, batch_size: int) -> SpecStrategy:
+        b = self.bucket_of(batch_size)
+        vals = self.values(b)
+        untried = [i for i, v in enumerate(vals) if v is None]
+        if untried:
+            return self.arms[b][untried[0]]
+        if self.rng.random() < self.epsilon:
+            return self.arms[b][self.rng.randrange(len(vals))]
+        return self.arms[b][max(range(len(vals)), key=lambda i: vals[i])]
+
+    def update(self, batch_size: int, arm: SpecStrategy, reward: float) -> None:
+        b = self.bucket_of(batch_size)
+        self.rewards[b][self.arm_index(batch_size, arm)].append(float(reward))
+
+    def state(self) -> dict:
+        """JSON-able snapshot (arms, reward windows, RNG) for logging and checkpoints."""
+        version, internal, gauss = self.rng.getstate()
+        return {"buckets": list(self.buckets), "epsilon": self.epsilon, "window": self.window,
+                "arms": [[a.model_dump() for a in arms] for arms in self.arms],
+                "rewards": [[list(r) for r in bucket] for bucket in self.rewards],
+                "best": [self.arm_index(low, self.best(low)) for low in self.buckets],
+                "rng": [version, list(internal), gauss]}
+
+    def load_state(self, state: dict) -> None:
+        self.buckets = list(state["buckets"])
+        self.epsilon, self.window = float(state["epsilon"]), int(state["window"])
+        self.arms = [[SpecStrategy(**a) for a in arms] for arms in state["arms"]]
+        self.rewards = [[deque(r, maxlen=self.window) for r in bucket] for bucket in state["rewards"]]
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
