@@ -283,8 +283,9 @@ def test_buffer_keeps_last_steps_and_token_bound():
     assert s["aux"].dtype == torch.float32 and s["loss_mask"].dtype == torch.bool
     assert buf.nbytes == 10 * (10 * 32 * 2 + 10 * 8 + 10 * 1)
     assert int(buf.token_counts(5).sum()) == 10 * 8
-    batches = buf.batches(64, rng=0)
-    assert sum(int((b["seq_ids"] >= 0).sum()) for b in batches) == 100
+    for rng in (0, torch.Generator().manual_seed(0), __import__("random").Random(0), None):
+        batches = buf.batches(64, rng=rng)
+        assert sum(int((b["seq_ids"] >= 0).sum()) for b in batches) == 100
 
 
 def test_buffer_rejects_ragged():

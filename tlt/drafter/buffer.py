@@ -68,9 +68,15 @@ class DraftBuffer:
         """All sequences, oldest first, with aux/target_hidden as float32."""
         return [{**s, "aux": s["aux"].float(), "target_hidden": s["target_hidden"].float()} for _, s in self._items]
 
-    def batches(self, batch_tokens: int, rng: random.Random | int | None = None) -> list[dict[str, Tensor]]:
-        """Packed training batches (see `tlt.drafter.train.pack`), shuffled by rng."""
-        seed = rng.randrange(2**31) if isinstance(rng, random.Random) else rng
+    def batches(self, batch_tokens: int, rng: random.Random | torch.Generator | int | None = None
+                ) -> list[dict[str, Tensor]]:
+        """Packed training batches (see `tlt.drafter.train.pack`), shuffled by rng (None = unshuffled)."""
+        if isinstance(rng, random.Random):
+            seed = rng.randrange(2**31)
+        elif isinstance(rng, torch.Generator):
+            seed = int(torch.randint(2**31, (1,), generator=rng))
+        else:
+            seed = rng
         return pack(self.samples(), batch_tokens, shuffle_seed=seed)
 
     def token_counts(self, vocab_size: int) -> Tensor:

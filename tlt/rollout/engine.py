@@ -71,6 +71,7 @@ class RolloutEngine:
         t0 = time.perf_counter()
         outs = Outputs.empty(len(prompts) * group_size, opts["max_new"], self.device)
         st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
+        self._retire(st, outs)
         while st.size > 0:
             n_run = st.size
             t_step = time.perf_counter()

@@ -156,6 +156,9 @@ def accept_sampled(logits: torch.Tensor, tree: DraftTree, temperature: float, to
     """Recursive rejection sampling down the tree; same outputs as `accept_greedy`."""
     bsz = logits.shape[0]
     dev = logits.device
+    if tree.tokens.shape[1] == 0:  # no drafts at all: one invalid node keeps the shapes non-empty
+        z = torch.zeros(bsz, 1, dtype=torch.long, device=dev)
+        tree = DraftTree(z, z, z, z.bool())
     cur = torch.zeros(bsz, dtype=torch.long, device=dev)
     alive = torch.ones(bsz, dtype=torch.bool, device=dev)
     n_acc, bonus = torch.zeros_like(cur), torch.zeros_like(cur)
@@ -164,7 +167,7 @@ def accept_sampled(logits: torch.Tensor, tree: DraftTree, temperature: float, to
         probs = target_probs(logits[torch.arange(bsz, device=dev), cur], temperature, top_p)  # [B, V]
         child = (tree.parent == cur[:, None]) & tree.valid & alive[:, None]  # [B, N]
         n_c = max(1, int(child.sum(1).max()))
-        order = torch.argsort((~child).to(torch.int8), 1, stable=True)[:, :n_c]
+        order = torch.argsort((~child).to(torch.int8), dim=1, stable=True)[:, :n_c]
         acc, choice, res = reject_siblings(probs, tree.tokens.gather(1, order), child.gather(1, order), gen)
         acc &= alive
         dying = torch.nonzero(alive & ~acc).squeeze(1)

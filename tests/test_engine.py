@@ -1,0 +1,144 @@
+"""Rollout engine: plain decoding vs HF generate, prefill once per group, log-probs, EOS and
+length limits, the exact sampling distribution of speculative decoding, metrics."""
+import math
+
+import pytest
+import torch
+
+from tlt.config import DrafterConfig, RolloutConfig, SpecStrategy
+from tlt.drafter.model import build_drafter
+from tlt.metrics import rollout_metrics
+from tlt.models import tiny_model
+from tlt.rollout import RolloutEngine, StrategyTuner
+
+CHAIN = SpecStrategy(depth=4, topk=1, tokens=4)
+TREE = SpecStrategy(depth=4, topk=3, tokens=10)
+
+
+def _prompts(n, vocab, seed, lo=3, hi=14):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _engine(model, eos=(2,), tuner=None, **kw):
+    base = dict(max_new_tokens=20, temperature=0.0, spec_threshold=100, tuner=False, drafter="ngram")
+    base.update(kw)
+    return RolloutEngine(model, RolloutConfig(**base), eos_ids=list(eos), pad_id=0, tuner=tuner)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", layers=2, vocab=64, seed=1)
+
+
+def test_plain_greedy_equals_hf_generate(model):
+    prompts = _prompts(6, 64, seed=0)
+    out = _engine(model).generate(prompts, spec=False)
+    for p, r in zip(prompts, out.response_ids):
+        hf = model.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=0)
+        hf = hf[0, len(p):].tolist()
+        assert r == hf[: len(r)] and (len(r) == 20 or r[-1] == 2)
+
+
+def test_batch_composition_does_not_change_greedy(model):
+    """Rows leaving the batch (cache rows dropped, cache compacted) leave the others unchanged."""
+    prompts = _prompts(8, 64, seed=2)
+    batched = _engine(model).generate(prompts, spec=False)
+    alone = [_engine(model).generate([p], spec=False).response_ids[0] for p in prompts]
+    assert batched.response_ids == alone
+
+
+def test_prefill_once_per_group_and_seeded(model):
+    eng = _engine(model, eos=())
+    eng.forward_calls = 0
+    out = eng.generate([[5, 6, 7]], group_size=8, max_new_tokens=1, temperature=1.0, seed=3, spec=False)
+    assert eng.forward_calls == 1 and len(set(r[0] for r in out.response_ids)) > 1
+    eng.forward_calls = 0
+    out = eng.generate([[5, 6, 7], [9, 9]], group_size=4, max_new_tokens=5, temperature=1.0, seed=3, spec=False)
+    assert eng.forward_calls == 1 + 4 and out.group_index == [0] * 4 + [1] * 4
+    again = eng.generate([[5, 6, 7], [9, 9]], group_size=4, max_new_tokens=5, temperature=1.0, seed=3, spec=False)
+    assert again.response_ids == out.response_ids
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_logprobs_match_fresh_forward(model, spec):
+    prompts = _prompts(5, 64, seed=4)
+    out = _engine(model, strategy=TREE).generate(prompts, group_size=2, temperature=0.7, top_p=0.9, spec=spec)
+    for p, r, lp in zip(out.prompt_ids, out.response_ids, out.logprobs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1: -1]
+        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(r)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(lp), ref, atol=1e-4)
+
+
+def test_eos_inside_drafts_and_max_new(model):
+    prompts = _prompts(10, 64, seed=5)
+    base = _engine(model, eos=()).generate(prompts, spec=False)
+    # A token that occurs mid-response (often inside an accepted n-gram draft) becomes the EOS.
+    eos = base.response_ids[0][6]
+    plain = _engine(model, eos=(eos,)).generate(prompts, spec=False)
+    sd = _engine(model, eos=(eos,), strategy=TREE).generate(prompts, spec=True)
+    assert sd.response_ids == plain.response_ids and sd.finished_eos == plain.finished_eos
+    for r, fin in zip(sd.response_ids, sd.finished_eos):
+        assert len(r) <= 20
+        assert (r[-1] == eos) == fin and eos not in r[:-1]
+        assert fin or len(r) == 20
+    short = _engine(model, eos=(), strategy=TREE).generate(prompts, max_new_tokens=3, spec=True)
+    assert all(len(r) == 3 for r in short.response_ids)
+
+
+def _exact_joint(model, prompt, temperature, top_p, n_tokens=2):
+    """Exact probability of every n_tokens continuation under top-p(softmax(logits / T))."""
+    from tlt.rollout.sampling import target_probs
+    vocab = model.config.vocab_size
+    seqs, probs = [[]], torch.ones(1)
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            ids = torch.tensor([prompt + s for s in seqs])
+            p = target_probs(model(input_ids=ids).logits[:, -1], temperature, top_p)  # [S, V]
+            probs = (probs[:, None] * p).reshape(-1)
+            seqs = [s + [t] for s in seqs for t in range(vocab)]
+    return {tuple(s): float(q) for s, q in zip(seqs, probs)}
+
+
+@pytest.mark.parametrize("kind,strategy,top_p", [("ngram", CHAIN, 1.0),
+                                                 ("ngram", SpecStrategy(depth=3, topk=3, tokens=6), 0.9),
+                                                 ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0)])
+def test_sampling_distribution_matches_policy(kind, strategy, top_p):
+    """TV(empirical SD samples, exact policy) of the first 2 tokens within a sample-size bound."""
+    model = tiny_model("llama", layers=2, vocab=16, seed=3)
+    prompt = [5, 6, 7, 5, 6, 8, 5, 6, 9, 3, 5, 6]  # the suffix "5 6" has three continuations -> drafts
+    n = 3000
+    eng = _engine(model, eos=(), spec_threshold=n, strategy=strategy, max_new_tokens=2)
+    if kind == "eagle":  # a random EAGLE-3 drafter: its q differs from p, so rejections happen
+        eng = RolloutEngine(model, eng.cfg.model_copy(update={"drafter": "eagle"}), eos_ids=[], pad_id=0,
+                            drafter=build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval())
+    out = eng.generate([prompt], group_size=n, temperature=1.0, top_p=top_p, seed=11, spec=True)
+    exact = _exact_joint(model, prompt, 1.0, top_p)
+    counts = {}
+    for r in out.response_ids:
+        counts[tuple(r)] = counts.get(tuple(r), 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    # E[TV] <= 0.5 * sum sqrt(p(1-p)/n); McDiarmid adds sqrt(ln(1/delta) / 2n) with delta = 1e-4.
+    bound = 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in exact.values()) + math.sqrt(math.log(1e4) / (2 * n))
+    assert tv < bound, (tv, bound)
+    drafted, accepted = sum(out.drafted), sum(out.accepted)
+    assert 0 < accepted < drafted  # drafts were proposed, some accepted, some rejected
+
+
+def test_tuner_in_the_loop_records_strategies(model):
+    tuner = StrategyTuner(buckets=[1, 2, 5, 21], epsilon=0.2, seed=0)
+    eng = _engine(model, tuner=tuner)
+    out = eng.generate(_prompts(6, 64, seed=8), spec=True)
+    assert out.stats["strategy"] and sum(len(r) for b in tuner.rewards for r in b) == out.stats["spec_steps"]
+
+
+def test_metrics_of_a_speculative_rollout(model):
+    out = _engine(model, spec_threshold=4, strategy=CHAIN).generate(_prompts(6, 64, seed=9), group_size=2,
+                                                                      temperature=1.0, spec=True)
+    m = rollout_metrics(out)
+    assert m["rollout/response_length/max"] <= 20 and m["rollout/tokens_per_s"] > 0
+    assert 0 <= m["rollout/tail_share"] <= 1 and 0 <= m["spec/enabled_share"] <= 1
+    if out.stats["spec_steps"]:
+        assert m["spec/accept_len/mean"] >= 1 and "spec/accept_rate/pos_0" in m

@@ -1,0 +1,112 @@
+"""Speculative decoding invariants: greedy identity, exact sampling distribution, bookkeeping."""
+import math
+
+import pytest
+import torch
+
+from tlt.config import DrafterConfig, RolloutConfig, SpecStrategy
+from tlt.drafter.model import build_drafter
+from tlt.drafter.train import DrafterTrainer, collect_samples, fit
+from tlt.models import tiny_model
+from tlt.rollout import RolloutEngine, StrategyTuner, accept_length
+
+CHAIN = SpecStrategy(depth=4, topk=1, tokens=4)
+TREE = SpecStrategy(depth=4, topk=3, tokens=10)
+WIDE = SpecStrategy(depth=2, topk=4, tokens=6)
+
+
+def _prompts(n, vocab, seed, lo=3, hi=14):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(lo, hi, (1,), generator=g))
+        out.append(torch.randint(3, vocab, (length,), generator=g).tolist())
+    return out
+
+
+def _engine(model, drafter=None, eos=(2,), tuner=None, **kw):
+    base = dict(max_new_tokens=20, temperature=0.0, spec_threshold=100, tuner=False,
+                drafter="eagle" if drafter is not None else "ngram")
+    base.update(kw)
+    return RolloutEngine(model, RolloutConfig(**base), eos_ids=list(eos), pad_id=0, drafter=drafter, tuner=tuner)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {"llama": tiny_model("llama", layers=2, vocab=64, seed=1), "qwen2": tiny_model("qwen2", layers=2, vocab=64, seed=2)}
+
+
+@pytest.fixture(scope="module")
+def trained_drafter(models):
+    """An EAGLE-3 drafter briefly trained on the llama target's own greedy outputs."""
+    target = models["llama"]
+    eng = _engine(target, max_new_tokens=24)
+    prompts = _prompts(24, 64, seed=7)
+    out = eng.generate(prompts, spec=False)
+    cfg = DrafterConfig(draft_vocab_size=0, lr=3e-3)
+    dr = build_drafter(target, cfg)
+    seqs = [p + r for p, r in zip(prompts, out.response_ids)]
+    samples = collect_samples(target, seqs, [len(p) for p in prompts], dr.aux_layer_ids)
+    fit(DrafterTrainer(dr, cfg, target.lm_head.weight), samples, epochs=25, batch_tokens=512)
+    return dr.eval()
+
+
+def _common_token(model, prompts):
+    """A token frequent in greedy outputs: used as EOS so that rows finish at different steps."""
+    out = _engine(model, eos=()).generate(prompts, spec=False)
+    flat = [t for r in out.response_ids for t in r[2:]]
+    return max(set(flat), key=flat.count)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("strategy", [CHAIN, TREE, WIDE])
+def test_greedy_identical_ngram(models, arch, strategy):
+    model = models[arch]
+    prompts = _prompts(10, 64, seed={"llama": 1, "qwen2": 2}[arch])
+    eos = (_common_token(model, prompts),)
+    plain = _engine(model, eos=eos).generate(prompts, spec=False)
+    accepted = 0
+    for threshold, group in ((100, 1), (16, 2)):
+        eng = _engine(model, eos=eos, spec_threshold=threshold, strategy=strategy)
+        sd = eng.generate(prompts, group_size=group, spec=True)
+        assert sd.response_ids == [r for r in plain.response_ids for _ in range(group)]
+        assert sd.finished_eos == [f for f in plain.finished_eos for _ in range(group)]
+        assert all(a <= d for a, d in zip(sd.accepted, sd.drafted))
+        accepted += sum(sd.accepted)
+    assert sd.stats["decode_steps"] > 0 and sd.stats["spec_steps"] > 0  # the tail switch happened
+    assert accepted > 0  # the n-gram drafter does get tokens accepted on these models
+
+
+@pytest.mark.parametrize("strategy", [CHAIN, TREE])
+def test_greedy_identical_eagle(models, trained_drafter, strategy):
+    model = models["llama"]
+    prompts = _prompts(12, 64, seed=3)
+    eos = (_common_token(model, prompts),)
+    plain = _engine(model, eos=eos).generate(prompts, spec=False)
+    accepted = 0
+    for threshold in (100, 9):
+        eng = _engine(model, trained_drafter, eos=eos, spec_threshold=threshold, strategy=strategy)
+        sd = eng.generate(prompts, spec=True)
+        assert sd.response_ids == plain.response_ids
+        assert all(a <= d for a, d in zip(sd.accepted, sd.drafted))
+        accepted += sum(sd.accepted)
+    assert sd.stats["decode_steps"] > 0 and sd.stats["spec_steps"] > 0
+    assert accepted > 0
+
+
+def test_greedy_identical_random_eagle_qwen(models):
+    model = models["qwen2"]
+    dr = build_drafter(model, DrafterConfig(draft_vocab_size=32)).eval()  # reduced draft vocab
+    prompts = _prompts(8, 64, seed=4)
+    plain = _engine(model).generate(prompts, spec=False)
+    sd = _engine(model, dr, strategy=TREE).generate(prompts, group_size=2, spec=True)
+    assert sd.response_ids == [r for r in plain.response_ids for _ in range(2)]
+
+
+def test_trained_drafter_accepts_more(models, trained_drafter):
+    eng = _engine(models["llama"], trained_drafter, strategy=CHAIN)
+    held_out = _prompts(4, 64, seed=99)
+    trained = accept_length(eng, held_out, max_new_tokens=20)
+    rand = accept_length(_engine(models["llama"], build_drafter(models["llama"], DrafterConfig(draft_vocab_size=0)),
+                                 strategy=CHAIN), held_out, max_new_tokens=20)
+    assert trained > rand and trained > 1.1
