@@ -15,6 +15,15 @@ CHAIN = SpecStrategy(depth=4, topk=1, tokens=4)
 TREE = SpecStrategy(depth=4, topk=3, tokens=10)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is ~20x faster than two on a shared, loaded 2-core box."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def _prompts(n, vocab, seed, lo=3, hi=14):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()

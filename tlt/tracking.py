@@ -129,7 +129,7 @@ class MlflowTracker(NullTracker):
             pass  # already registered
         mv = self.client.create_model_version(name, self.artifact_uri(artifact_path), run_id=self.run_id,
                                               tags=tags or {})
-        return mv.version
+        return str(mv.version)
 
     def end(self, status: str = "FINISHED") -> None:
         if self._monitor is not None:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; never reach for the hub
     result = run(args)
-    text = json.dumps(result, indent=1)
+    text = json.dumps(result)
     if args.out == "-":
         print(text)
     else:

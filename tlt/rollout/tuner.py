@@ -46,6 +46,12 @@ class StrategyTuner:
         self.rng = random.Random(seed)
         self.rewards = [[deque(maxlen=window) for _ in arms] for arms in self.arms]
 
+    @classmethod
+    def default(cls, buckets: list[int] | None = None, epsilon: float = 0.1, seed: int = 0,
+                window: int = 300) -> "StrategyTuner":
+        """The default arms (`default_arms`) over `buckets`."""
+        return cls(None, buckets, epsilon=epsilon, seed=seed, window=window)
+
     def bucket_of(self, batch_size: int) -> int:
         """Index of the bucket with the largest lower bound <= batch_size (bucket 0 below the first)."""
         idx = 0

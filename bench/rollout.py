@@ -1,0 +1,175 @@
+"""Rollout benchmark: the engine without SD, with SD, and HF `generate`, same prompts and seed.
+
+    python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--set k=v ...]
+
+Rows (greedy, batch 1 / 4 / 16): tokens/s of plain and SD engine runs interleaved A B A B (best
+of `reps`, the machine is shared), and of HF generate; `greedy_identical` says whether every SD
+output equals the plain one. SD is forced on at every row's batch size (threshold = batch) to
+show where it stops paying -- that crossover is how `rollout.spec_threshold` is chosen. The GRPO
+row runs prompts x group at temperature 1.0 with the configured tail switch and tuner.
+Without `--drafter` (an EAGLE-3 export dir) SD uses the n-gram prompt-lookup drafter.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tlt.config import load_config
+from tlt.metrics import rollout_metrics
+from tlt.models import eos_token_ids, load_target
+from tlt.rollout import RolloutEngine, StrategyTuner
+
+QUESTIONS = [
+    "Explain step by step how to compute 23 * 17.", "Write a short story about a robot who learns to paint.",
+    "List the planets of the solar system and one fact about each.", "Explain what a prime number is, with examples.",
+    "Describe how to make a cup of tea, step by step.", "What is 48 + 75? Show your reasoning.",
+    "Summarize the water cycle in a few sentences.", "Write a Python function that reverses a string and explain it.",
+    "Explain the difference between weather and climate.", "Give three tips for learning a new language.",
+    "Count from 1 to 20, separated by commas.", "Explain how a binary search works.",
+    "What are the primary colors? Explain how they mix.", "Describe the rules of tic-tac-toe.",
+    "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue.",
+]
+
+
+def encode_prompts(tokenizer, n: int, suffix: str = "") -> list[list[int]]:
+    """n chat-templated prompts (cycling over QUESTIONS)."""
+    out = []
+    for i in range(n):
+        text = QUESTIONS[i % len(QUESTIONS)] + suffix
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def hf_generate(model, prompts, pad_id, eos_ids, max_new):
+    """Greedy HF generate over a left-padded batch -> tokens generated (up to EOS) per second."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out, dt = _timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                                            do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id))
+    n = 0
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        n += cut
+    return n / dt
+
+
+def batch_row(eng_plain, eng_spec, model, prompts, pad_id, eos_ids, max_new, reps):
+    """Plain / SD interleaved (best of reps) and HF generate at one batch size, greedy."""
+    best = {"plain": 0.0, "spec": 0.0}
+    identical, acc = True, 0.0
+    for _ in range(reps):
+        a, ta = _timed(lambda: eng_plain.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=False))
+        b, tb = _timed(lambda: eng_spec.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=True))
+        n = sum(len(r) for r in a.response_ids)
+        best["plain"] = max(best["plain"], n / ta)
+        best["spec"] = max(best["spec"], sum(len(r) for r in b.response_ids) / tb)
+        identical &= a.response_ids == b.response_ids
+        acc = rollout_metrics(b).get("spec/accept_len/mean", 1.0)
+    hf = hf_generate(model, prompts, pad_id, eos_ids, max_new)
+    return {"batch": len(prompts), "plain_tok_s": best["plain"], "spec_tok_s": best["spec"], "hf_tok_s": hf,
+            "speedup_vs_plain": best["spec"] / best["plain"], "speedup_vs_hf": best["spec"] / hf,
+            "plain_vs_hf": best["plain"] / hf, "accept_len_mean": acc}, identical
+
+
+def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
+    """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
+    r = cfg.rollout
+    tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=0) if r.tuner else None
+    plain = RolloutEngine(model, r, eos_ids, pad_id)
+    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
+    kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
+    best = {"plain": float("inf"), "spec": float("inf")}
+    for _ in range(reps):
+        _, ta = _timed(lambda: plain.generate(prompts, spec=False, **kw))
+        b, tb = _timed(lambda: spec.generate(prompts, spec=True, **kw))
+        best["plain"], best["spec"] = min(best["plain"], ta), min(best["spec"], tb)
+        m = rollout_metrics(b)
+    return {"plain_s": best["plain"], "spec_s": best["spec"], "speedup": best["plain"] / best["spec"],
+            "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
+            "enabled_share": m["spec/enabled_share"], "response_length_max": m["rollout/response_length/max"],
+            "response_length_mean": m["rollout/response_length/mean"]}
+
+
+def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_tokens: int | None = None,
+              reps: int = 2, grpo: bool = True, model_and_tokenizer=None) -> dict:
+    """Run the benchmark for a RunConfig; returns the JSON-able result (see module docstring)."""
+    model, tok = model_and_tokenizer or load_target(cfg.model)
+    eos_ids, pad_id = eos_token_ids(tok, model), tok.pad_token_id
+    drafter = None
+    if drafter_dir:
+        from tlt.export import load_eagle3
+        drafter = load_eagle3(drafter_dir, model).eval()
+    r = cfg.rollout.model_copy(update={"drafter": "eagle" if drafter is not None else "ngram", "tuner": False})
+    max_new = max_new_tokens or r.max_new_tokens
+    rows, identical = [], True
+    plain_eng = RolloutEngine(model, r, eos_ids, pad_id)
+    for bs in batches:
+        prompts = encode_prompts(tok, bs)
+        spec_eng = RolloutEngine(model, r.model_copy(update={"spec_threshold": bs}), eos_ids, pad_id, drafter=drafter)
+        row, same = batch_row(plain_eng, spec_eng, model, prompts, pad_id, eos_ids, max_new, reps)
+        rows.append(row)
+        identical &= same
+        print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
+              f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f} tok/s",
+              flush=True)
+    result = {"drafter": drafter_dir or "ngram", "max_new_tokens": max_new, "threads": torch.get_num_threads(),
+              "greedy_identical": identical, "rows": rows, "strategy": r.strategy.model_dump()}
+    if grpo:
+        prompts = encode_prompts(tok, cfg.rollout.prompts_per_step, cfg.data.instruction)
+        result["grpo"] = grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps)
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"\ndrafter={result['drafter']} greedy_identical={result['greedy_identical']} threads={result['threads']}")
+    print(f"{'batch':>5} {'plain tok/s':>12} {'SD tok/s':>10} {'HF tok/s':>10} {'SD/plain':>9} {'SD/HF':>7} "
+          f"{'plain/HF':>9} {'accept':>7}")
+    for r in result["rows"]:
+        print(f"{r['batch']:>5} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>10.1f} {r['hf_tok_s']:>10.1f} "
+              f"{r['speedup_vs_plain']:>9.2f} {r['speedup_vs_hf']:>7.2f} {r['plain_vs_hf']:>9.2f} "
+              f"{r['accept_len_mean']:>7.2f}")
+    if "grpo" in result:
+        g = result["grpo"]
+        print(f"GRPO batch: plain {g['plain_s']:.2f}s, SD {g['spec_s']:.2f}s (x{g['speedup']:.2f}), "
+              f"accept {g['accept_len_mean']:.2f}, tail share {g['tail_share']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--drafter", default=None, help="EAGLE-3 export directory (default: n-gram drafter)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--no-grpo", action="store_true")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = load_config(args.config, args.overrides)
+    result = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
+                       args.reps, grpo=not args.no_grpo)
+    print_table(result)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
