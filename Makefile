@@ -29,7 +29,7 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 test-vllm: venv
-	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -m vllm tests
+	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests
 
 ui: venv
 	$(BIN)/tlt ui

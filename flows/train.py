@@ -25,8 +25,8 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
         if config.rollout.drafter == "eagle":
             stages.warmstart_drafter(run_id)
         start = stages.resume(run_id)
-        if start == 0:
-            stages.evaluate(run_id, 0)
+        if start == 0 or _eval_due(start, config):  # a resume re-runs an evaluation the crash may have cut
+            stages.evaluate(run_id, start)
         for step in range(start, config.rl.steps):
             stages.rl_step(run_id, step)
             if _eval_due(step + 1, config):

@@ -26,10 +26,14 @@ def test_smoke_flow_end_to_end(prefect_api, mlflow_uri, tmp_path):
     acc = metric_history(result["run_id"], "eval/accuracy", mlflow_uri)
     assert acc and all(0.0 <= v <= 1.0 for _, v in acc)
     assert [s for s, _ in acc] == list(range(cfg.rl.steps + 1))  # eval every step, incl. the baseline
-    for key in ("reward/mean", "spec/accept_len/mean", "policy/loss", "drafter/loss", "timing_s/step",
-                "rollout/response_length/max"):
+    for key in ("reward/mean", "spec/accept_len/mean", "policy/loss", "drafter/steps", "timing_s/step",
+                "timing_s/update_drafter", "rollout/response_length/max"):
         steps = [s for s, _ in metric_history(result["run_id"], key, mlflow_uri)]
         assert steps == list(range(1, cfg.rl.steps + 1)), key
+    # spot trainer: step 1's buffer is empty (one-step offset), later steps train in the tail
+    spot = dict(metric_history(result["run_id"], "drafter/spot_steps", mlflow_uri))
+    assert spot[1] == 0 and spot[2] > 0
+    assert [s for s, _ in metric_history(result["run_id"], "drafter/loss", mlflow_uri)] == [2]
     assert metric_history(result["run_id"], "warmstart/accept_len_after", mlflow_uri)
     plots = {p.split("/")[-1] for p in run["artifacts"]} | set(run["artifacts"])
     assert "plots" in plots and "drafter" in plots

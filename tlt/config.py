@@ -74,7 +74,10 @@ class DrafterConfig(Stage):
     batch_tokens: int = Field(2048, ge=64, description="Tokens per packed training batch")
     warmstart_eval_prompts: int = Field(8, ge=1, description="Held-out prompts for accept-length reports")
     refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (0 = frozen)")
-    refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per refresh")
+    refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per sequential refresh")
+    spot: bool = Field(True, description="Train the drafter in the rollout's idle tail (spot trainer process) "
+                       "instead of sequentially after the policy update")
+    spot_threads: int = Field(1, ge=1, description="Torch threads of the spot trainer process")
     refresh_below_accept_len: float | None = Field(None, description="Also refresh when held-out accept length drops below this")
     buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
     buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
@@ -100,7 +103,6 @@ class RolloutConfig(Stage):
     tuner: bool = Field(True, description="Pick the strategy per batch bucket with the bandit")
     tuner_epsilon: float = Field(0.1, ge=0, le=1, description="Exploration rate of the bandit")
     tuner_buckets: list[int] = Field(default_factory=lambda: [1, 2, 5, 21], description="Lower bounds of batch-size buckets")
-    workers: int = Field(1, ge=1, description="Rollout worker processes")
 
 
 class RLConfig(Stage):

@@ -31,6 +31,8 @@ def get_pipeline(run_id: str) -> "Pipeline":
 def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
     pipe = _PIPELINES.pop(run_id, None)
     if pipe is not None:
+        if pipe.refresher is not None:
+            pipe.refresher.close()
         pipe.tracker.end(status)
 
 
@@ -173,7 +175,6 @@ class Pipeline:
 
     # -- stage 3: drafter warm-start -------------------------------------------------------------
     def warmstart(self) -> WarmstartSummary:
-        from tlt.drafter.refresh import DrafterRefresher
         from tlt.drafter.warmstart import warmstart
 
         ds, d = self.dataset, self.cfg.drafter
@@ -183,7 +184,7 @@ class Pipeline:
             self.model, self.drafter, self.engine, self.prompt_ids(ds.train["prompt"][: d.warmstart_prompts]),
             self.prompt_ids(ds.heldout["prompt"][: d.warmstart_eval_prompts]), self.cfg,
             Path(self.cfg.model.cache_dir).parent / "drafters", log=self.tracker.log_metrics)
-        self.refresher = DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
+        self.refresher = self._make_refresher(trainer)
         self.tracker.log_metrics({"warmstart/accept_len_before": summary.accept_len_before,
                                   "warmstart/accept_len_after": summary.accept_len_after,
                                   "warmstart/accept_len_after_t1": summary.accept_len_after_t1 or 0.0,
@@ -193,7 +194,6 @@ class Pipeline:
     def _load_champion_drafter(self) -> WarmstartSummary:
         from safetensors.torch import load_file
 
-        from tlt.drafter.refresh import DrafterRefresher
         from tlt.drafter.train import DrafterTrainer
         from tlt.tracking import download
 
@@ -201,10 +201,23 @@ class Pipeline:
         local = download(self.champion["source"], self.run_dir / "champion", self.cfg.tracking.tracking_uri)
         self.drafter.load_state_dict(load_file(local / "model.safetensors"), strict=True)
         trainer = DrafterTrainer(self.drafter, self.cfg.drafter, self.model.get_output_embeddings().weight)
-        self.refresher = DrafterRefresher(trainer, self.cfg.drafter, seed=self.cfg.rl.seed)
+        self.refresher = self._make_refresher(trainer)
         acc = self.heldout_accept_len()
         return WarmstartSummary(accept_len_before=acc, accept_len_after=acc, n_samples=0, n_tokens=0, train_steps=0,
                                 time_s=time.perf_counter() - t0, cached=True, path=str(local))
+
+    def _make_refresher(self, trainer):
+        """Spot trainer (drafter training in the rollout's tail) or sequential refresher."""
+        from tlt.drafter.refresh import DrafterRefresher
+        from tlt.drafter.spot import SpotTrainer
+
+        d = self.cfg.drafter
+        if not d.spot:
+            return DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
+        spot = SpotTrainer(self.model, self.drafter, d, threads=d.spot_threads, seed=self.cfg.rl.seed)
+        spot.load(self.drafter.trainable_state_dict(), {"optimizer": trainer.opt.state_dict(),
+                                                        "num_steps": trainer.num_steps})
+        return spot
 
     def promote(self, export: ExportSummary) -> bool:
         """Move the `champion` alias to the new version unless held-out accept length dropped."""
@@ -235,9 +248,12 @@ class Pipeline:
 
     def resume(self) -> int:
         """Restore the newest verified checkpoint of this run; returns the first step still to run."""
-        from tlt.rl.resume import restore_run_state
+        from tlt.rl.resume import checkpoint_metrics, restore_run_state
 
         state = restore_run_state(self._context(), self.run_dir / "checkpoints")
+        logged = checkpoint_metrics(state)
+        if logged:  # a crash between the save and the log: the tracker skips (key, step)s the run has
+            self.tracker.log_metrics(logged[1], step=logged[0])
         return 0 if state is None else state["step"] + 1
 
     def rl_step(self, step: int) -> StepSummary:
@@ -249,7 +265,8 @@ class Pipeline:
         if (step + 1) % self.cfg.trainer.checkpoint_every == 0 or step + 1 == self.cfg.rl.steps:
             t0 = time.perf_counter()
             self.last_checkpoint = save_run_state(ctx, step, self.run_dir / "checkpoints",
-                                                  self.cfg.trainer.checkpoint_keep)
+                                                  self.cfg.trainer.checkpoint_keep,
+                                                  extra={"metrics": {k: float(v) for k, v in metrics.items()}})
             metrics["timing_s/checkpoint"] = time.perf_counter() - t0
         self.tracker.log_metrics(metrics, step=step + 1)
         self.record.add_step(step + 1, metrics, ctx.last_batch)

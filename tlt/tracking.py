@@ -47,26 +47,58 @@ class NullTracker:
     def end(self, status: str = "FINISHED") -> None: ...
 
 
+# Error codes of an unreachable or overloaded store: the call is spooled and sent later. Any other
+# MlflowException (a bad name, a deleted run) is a bug of the caller and raises as before.
+_TRANSIENT_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "ENDPOINT_NOT_FOUND"}
+OFFLINE_RETRY_S = 10.0  # after a failed call, spool without touching the network for this long
+
+
+def _transient(err: Exception) -> bool:
+    from mlflow.exceptions import MlflowException
+
+    return not isinstance(err, MlflowException) or err.error_code in _TRANSIENT_CODES
+
+
 class MlflowTracker(NullTracker):
-    """One MLflow run. Pass `run_id` to continue an existing run (resume)."""
+    """One MLflow run. Pass `run_id` to continue an existing run (resume).
+
+    Outages: when the store cannot be reached, metric batches, params, tags, artifacts and the
+    final status are appended in order to a JSONL spool (`<spool_dir>/<run_id>.jsonl`, default
+    mlflow/spool/ or $TLT_MLFLOW_SPOOL_DIR; artifacts are copied next to it) and sent, oldest
+    first, by the next call that reaches the store, by `end()`, or by the next tracker opened on
+    the same run. Log calls never raise for an outage and block for at most one short HTTP attempt
+    per `OFFLINE_RETRY_S`. A resumed tracker skips the (metric, step) pairs the run already holds,
+    so a step that is run again after a crash is logged once.
+    """
 
     def __init__(self, experiment: str = "tlt", run_name: str | None = None, uri: str | None = None,
-                 tags: dict[str, str] | None = None, run_id: str | None = None, system_metrics: bool = False):
+                 tags: dict[str, str] | None = None, run_id: str | None = None, system_metrics: bool = False,
+                 spool_dir: str | Path | None = None):
         import mlflow
         from mlflow.tracking import MlflowClient
 
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         self.uri = default_tracking_uri(uri)
+        if self.uri.startswith(("http://", "https://")):  # MLflow's defaults retry for minutes
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         exp = self.client.get_experiment_by_name(experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(
             experiment, artifact_location=default_artifact_location(experiment))
+        resumed = run_id is not None
         if run_id is None:
             run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
+        root = Path(spool_dir or os.environ.get("TLT_MLFLOW_SPOOL_DIR") or DEFAULT_DIR / "spool").resolve()
+        self.spool = root / f"{run_id}.jsonl"
+        self._offline_until = 0.0
+        self._flush()  # what an earlier process of this run could not send
+        self._logged = self._logged_pairs() if resumed else set()
         self._monitor = None
         if system_metrics:
             self._start_system_metrics()
@@ -77,43 +109,142 @@ class MlflowTracker(NullTracker):
         self._monitor = SystemMetricsMonitor(self.run_id, sampling_interval=5, samples_before_logging=1)
         self._monitor.start()
 
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
+    def _logged_pairs(self) -> set[tuple[str, int]]:
+        """(key, step) of every metric value the run already holds (empty for a new run)."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        return {(m.key, m.step) for k in keys for m in self.client.get_metric_history(self.run_id, k)}
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+    # -- sending, with the spool as the fallback -------------------------------------------------
+    def _apply(self, kind: str, p: dict) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        if kind == "metrics":
+            self.client.log_batch(self.run_id, metrics=[Metric(k, v, ts, st) for k, v, ts, st in p["items"]])
+        elif kind == "params":
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in p["items"]])
+        elif kind == "tags":
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in p["items"]])
+        elif kind == "artifact":
+            if Path(p["local"]).is_dir():
+                self.client.log_artifacts(self.run_id, p["local"], p["path"])
+            else:
+                self.client.log_artifact(self.run_id, p["local"], p["path"])
+        elif kind == "terminate":
+            self.client.set_terminated(self.run_id, status=p["status"])
+
+    def _went_offline(self, err: Exception) -> None:
+        import logging
+        import time
+
+        self._offline_until = time.monotonic() + OFFLINE_RETRY_S
+        logging.getLogger(__name__).warning("MLflow store %s unreachable (%s); spooling to %s",
+                                            self.uri, (str(err).splitlines() or [""])[0][:200], self.spool)
+
+    def _spool_append(self, kind: str, payload: dict) -> None:
+        self.spool.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spool, "a") as f:
+            f.write(json.dumps({"kind": kind, **payload}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _flush(self) -> bool:
+        """Send the spool in order; True when it is empty afterwards."""
+        import logging
+        import time
+
+        if not self.spool.exists():
+            return True
+        if time.monotonic() < self._offline_until:
+            return False
+        entries = [json.loads(line) for line in self.spool.read_text().splitlines() if line.strip()]
+        for i, entry in enumerate(entries):
+            try:
+                self._apply(entry["kind"], entry)
+            except Exception as err:  # noqa: BLE001 - transient: keep the rest; else drop this one
+                if not _transient(err):
+                    logging.getLogger(__name__).warning("dropping a spooled MLflow call: %s", err)
+                    continue
+                self._went_offline(err)
+                tmp = self.spool.with_suffix(".tmp")
+                tmp.write_text("".join(json.dumps(e) + "\n" for e in entries[i:]))
+                os.replace(tmp, self.spool)
+                return False
+        self.spool.unlink()
+        return True
+
+    def _send(self, kind: str, payload: dict) -> None:
+        """Send now (after anything spooled, to keep the order) or spool when the store is down."""
+        if not self._flush():
+            self._spool_append(kind, payload)
+            return
+        try:
+            self._apply(kind, payload)
+        except Exception as err:  # noqa: BLE001 - only transient errors are swallowed
+            if not _transient(err):
+                raise
+            self._went_offline(err)
+            self._spool_append(kind, payload)
+
+    def _send_artifact(self, online, name: str, path: str | None, write) -> None:
+        """`online()` logs the artifact; during an outage `write(dst)` puts a copy next to the spool
+        (`<spool_dir>/<run_id>/<n>/<name>`), logged under `path` once the store is back."""
+        import time
+
+        if self._flush():
+            try:
+                online()
+                return
+            except Exception as err:  # noqa: BLE001 - only transient errors are swallowed
+                if not _transient(err):
+                    raise
+                self._went_offline(err)
+        stage = self.spool.parent / self.run_id / f"{time.time_ns()}" / name
+        stage.parent.mkdir(parents=True, exist_ok=True)
+        write(stage)
+        self._spool_append("artifact", {"local": str(stage), "path": path})
+
+    def _send_file(self, path: str, online, write) -> None:
+        p = Path(path)
+        self._send_artifact(online, p.name, str(p.parent) if str(p.parent) != "." else None, write)
+
+    # -- the Tracker interface ----------------------------------------------------------------------
+    def log_params(self, params: dict[str, Any]) -> None:
+        items = [(k, str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i:i + 100])
+            self._send("params", {"items": items[i:i + 100]})
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         import time
 
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v == v]
+        now, step = int(time.time() * 1000), step or 0
+        items = [(k, float(v), now, step) for k, v in metrics.items() if v == v and (k, step) not in self._logged]
         for i in range(0, len(items), 500):
-            self.client.log_batch(self.run_id, metrics=items[i:i + 500])
+            self._send("metrics", {"items": items[i:i + 500]})
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, str(v))
+        self._send("tags", {"items": [(k, str(v)) for k, v in tags.items()]})
 
     def log_text(self, text: str, path: str) -> None:
-        self.client.log_text(self.run_id, text, path)
+        self._send_file(path, lambda: self.client.log_text(self.run_id, text, path), lambda dst: dst.write_text(text))
 
     def log_dict(self, data: Any, path: str) -> None:
-        self.client.log_text(self.run_id, json.dumps(data, indent=2, default=str), path)
+        self.log_text(json.dumps(data, indent=2, default=str), path)
 
     def log_figure(self, fig: Any, path: str) -> None:
-        self.client.log_figure(self.run_id, fig, path)
+        self._send_file(path, lambda: self.client.log_figure(self.run_id, fig, path), lambda dst: fig.savefig(dst))
 
     def log_table(self, rows: list[dict], path: str) -> None:
         import pandas as pd
 
-        self.client.log_table(self.run_id, pd.DataFrame(rows), path)
+        df = pd.DataFrame(rows)
+        self._send_file(path, lambda: self.client.log_table(self.run_id, df, path),
+                        lambda dst: dst.write_text(df.to_json(orient="split", index=False)))
 
     def log_artifacts(self, local_dir: str | Path, path: str | None = None) -> None:
-        self.client.log_artifacts(self.run_id, str(local_dir), path)
+        import shutil
+
+        self._send_artifact(lambda: self.client.log_artifacts(self.run_id, str(local_dir), path),
+                            Path(local_dir).name, path, lambda dst: shutil.copytree(local_dir, dst))
 
     def artifact_uri(self, path: str = "") -> str:
         base = self.client.get_run(self.run_id).info.artifact_uri
@@ -132,10 +263,19 @@ class MlflowTracker(NullTracker):
         return str(mv.version)
 
     def end(self, status: str = "FINISHED") -> None:
+        """Stop system metrics, send what is spooled, set the final status (spooled too when the
+        store is down: the next tracker opened on this run sends it)."""
+        import logging
+
         if self._monitor is not None:
             self._monitor.finish()
             self._monitor = None
-        self.client.set_terminated(self.run_id, status=status)
+        self._offline_until = 0.0  # one more try, whatever happened in the last seconds
+        self._send("terminate", {"status": status})
+        if self.spool.exists():
+            logging.getLogger(__name__).warning("MLflow store %s still unreachable: %s keeps the unsent calls; "
+                                                "they are sent when a tracker reopens run %s", self.uri,
+                                                self.spool, self.run_id)
 
 
 def make_tracker(cfg, run_name: str | None = None, tags: dict[str, str] | None = None,

@@ -86,6 +86,23 @@ class DraftBuffer:
             counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)
         return counts
 
+    def state_dict(self) -> tuple[dict[str, Tensor], dict]:
+        """(tensors, JSON-able meta) that `load_state_dict` turns back into this buffer, for run
+        checkpoints: tensor keys are `<index>.<field>` (oldest first), hidden states stay bf16."""
+        tensors = {f"{i:06d}.{k}": v for i, (_, s) in enumerate(self._items) for k, v in s.items()}
+        meta = {"item_steps": [step for step, _ in self._items], "latest_step": self.latest_step,
+                "evicted_sequences": self.evicted_sequences}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: dict[str, Tensor], meta: dict) -> None:
+        """Replace the contents with a `state_dict()` (same order, same dtypes, same counters)."""
+        fields = ("input_ids", "aux", "target_hidden", "loss_mask")
+        self._items = deque((int(step), {k: tensors[f"{i:06d}.{k}"] for k in fields})
+                            for i, step in enumerate(meta["item_steps"]))
+        self.num_tokens = sum(s["input_ids"].shape[0] for _, s in self._items)
+        self.latest_step = meta["latest_step"]
+        self.evicted_sequences = int(meta["evicted_sequences"])
+
     def metadata(self) -> dict:
         """JSON-able summary for checkpoints and tracking."""
         return {"max_steps": self.max_steps, "max_tokens": self.max_tokens, "num_sequences": len(self),

@@ -11,6 +11,7 @@ import torch
 
 from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.train import DrafterTrainer
+from tlt.faults import fault
 
 
 class DrafterRefresher:
@@ -34,6 +35,30 @@ class DrafterRefresher:
             n = int(attn[i].sum())
             self.buffer.add(step, ids[i, :n], aux[i, :n], last_hidden[i, :n], resp[i, :n])
 
+    # ---- hooks called by the RL step (same interface as SpotTrainer) -------------------------
+    def before_rollout(self, engine) -> None:
+        pass
+
+    def after_rollout(self, engine) -> dict[str, float]:
+        return {}
+
+    def after_update(self, step: int, accept_len: float | None) -> dict[str, float]:
+        """Sequential refresh after the policy update, when due."""
+        self.observe(accept_len)
+        return self.refresh(step) if self.due(step) else {}
+
+    def optimizer_state(self) -> dict:
+        return {"optimizer": self.trainer.opt.state_dict(), "num_steps": self.trainer.num_steps}
+
+    def load(self, drafter_state: dict, optim_state: dict | None) -> None:
+        self.drafter.load_state_dict(drafter_state, strict=True)
+        if optim_state is not None:
+            self.trainer.opt.load_state_dict(optim_state["optimizer"])
+            self.trainer.num_steps = optim_state["num_steps"]
+
+    def close(self) -> None:
+        pass
+
     def observe(self, accept_len: float | None) -> None:
         """The rollout's measured accept length (spec/accept_len/mean), for the below-threshold trigger."""
         if accept_len is not None:
@@ -56,6 +81,7 @@ class DrafterRefresher:
             if not batches:
                 break
             history.append(self.trainer.step(batches[i % len(batches)]))
+            fault("refresh", step)  # crash tests: SIGKILL with the drafter half refreshed
         for key in ("drafter/loss", "drafter/loss_feature", "drafter/loss_token", "drafter/top1_acc"):
             vals = [h[key] for h in history if key in h]
             if vals:

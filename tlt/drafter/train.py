@@ -240,7 +240,9 @@ def collect_samples(target_model, sequences: list[list[int]], prompt_lens: list[
         for j, s in enumerate(seqs):
             ids[j, :len(s)] = torch.tensor(s, dtype=torch.long)
             attn[j, :len(s)] = 1
-        hs = target_model(input_ids=ids.to(dev), attention_mask=attn.to(dev), output_hidden_states=True).hidden_states
+        # logits_to_keep=1: the LM head runs on one position only; the drafter needs hidden states.
+        hs = target_model(input_ids=ids.to(dev), attention_mask=attn.to(dev), output_hidden_states=True,
+                          logits_to_keep=1).hidden_states
         aux = Eagle3Drafter.gather_aux(hs, aux_ids).float().cpu()
         last = hs[-1].float().cpu()
         for j, s in enumerate(seqs):

@@ -45,7 +45,7 @@ def _responses(engine, prompts, cfg) -> tuple[list[list[int]], list[int]]:
 
 
 def _accept(engine, prompts, cfg, temperature) -> float:
-    return accept_length(engine, prompts, temperature=temperature, max_new_tokens=cfg.drafter.warmstart_max_new_tokens)
+    return accept_length(engine, prompts, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens)
 
 
 def warmstart(model, drafter, engine, train_prompts: list[list[int]], heldout_prompts: list[list[int]],

@@ -1,27 +1,49 @@
-"""Save and restore everything an RL run needs to continue exactly where it stopped."""
+"""Save and restore everything an RL run needs to continue exactly where it stopped.
+
+With the tuner off (its choices depend on wall-clock) and the sequential drafter refresh (the
+spot trainer trains for as long as the rollout's tail lasts), a run resumed from a checkpoint
+ends bitwise equal on CPU to one that never stopped: the drafter buffer's contents and the
+refresher's RNG are saved too, not only the weights and optimizers.
+"""
 from __future__ import annotations
 
 from pathlib import Path
 
 from tlt.checkpoint import (capture_rng, latest_checkpoint, load_checkpoint, load_pt, restore_rng, save_checkpoint,
                             torch_blob)
+from tlt.faults import fault
+
+
+def _crash_point(write, step: int):
+    """A blob writer that hits the `checkpoint` fault point after writing (crash tests only)."""
+    def run(path: Path) -> None:
+        write(path)
+        fault("checkpoint", step)
+    return run
 
 
 def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None) -> Path:
     """Checkpoint after RL step `step`: policy + optimizer, drafter (trainable only) + optimizer,
-    sampler cursor, RNG states, tuner state, buffer metadata, `extra` (e.g. the step's metrics)."""
+    sampler cursor, RNG states, tuner state, drafter buffer + refresher RNG, `extra` (e.g. the
+    step's metrics, which the pipeline logs after the save: see `checkpoint_metrics`)."""
     tensors = {"policy": ctx.model.state_dict()}
-    blobs = {"policy_optim": torch_blob(ctx.updater.state_dict())}
+    blobs = {"policy_optim": _crash_point(torch_blob(ctx.updater.state_dict()), step)}
     state = {"step": step, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
     if ctx.engine.tuner is not None:
         state["tuner"] = ctx.engine.tuner.state()
     if ctx.refresher is not None:
         tensors["drafter"] = ctx.refresher.drafter.trainable_state_dict()
-        blobs["drafter_optim"] = torch_blob({"optimizer": ctx.refresher.trainer.opt.state_dict(),
-                                             "num_steps": ctx.refresher.trainer.num_steps})
+        blobs["drafter_optim"] = torch_blob(ctx.refresher.optimizer_state())
+        buf_tensors, state["buffer_state"] = ctx.refresher.buffer.state_dict()
+        if buf_tensors:
+            tensors["buffer"] = buf_tensors
+        tensors["refresher"] = {"rng": ctx.refresher.rng.get_state()}
         state["buffer"] = ctx.refresher.buffer.metadata()
         state["drafter_total_steps"] = ctx.refresher.total_steps
-    return save_checkpoint(root, step, tensors, state, blobs, keep=keep)
+        state["last_accept"] = getattr(ctx.refresher, "last_accept", None)
+    path = save_checkpoint(root, step, tensors, state, blobs, keep=keep)
+    fault("checkpointed", step)
+    return path
 
 
 def restore_run_state(ctx, root: Path) -> dict | None:
@@ -36,10 +58,21 @@ def restore_run_state(ctx, root: Path) -> dict | None:
     if ctx.engine.tuner is not None and "tuner" in state:
         ctx.engine.tuner.load_state(state["tuner"])
     if ctx.refresher is not None and "drafter" in tensors:
-        ctx.refresher.drafter.load_state_dict(tensors["drafter"], strict=True)
-        opt = load_pt(pts["drafter_optim"])
-        ctx.refresher.trainer.opt.load_state_dict(opt["optimizer"])
-        ctx.refresher.trainer.num_steps = opt["num_steps"]
+        ctx.refresher.load(tensors["drafter"], load_pt(pts["drafter_optim"]))
         ctx.refresher.total_steps = state.get("drafter_total_steps", 0)
+        if "buffer_state" in state:
+            ctx.refresher.buffer.load_state_dict(tensors.get("buffer", {}), state["buffer_state"])
+        if "refresher" in tensors:
+            ctx.refresher.rng.set_state(tensors["refresher"]["rng"])
+        if hasattr(ctx.refresher, "last_accept"):
+            ctx.refresher.last_accept = state.get("last_accept")
     restore_rng(state["rng"])
     return state
+
+
+def checkpoint_metrics(state: dict | None) -> tuple[int, dict[str, float]] | None:
+    """(MLflow step, metrics) of a restored checkpoint's RL step, when it carries them: the pipeline
+    logs a step's metrics after its checkpoint, so a crash in between leaves them only here."""
+    if not state or not state.get("metrics"):
+        return None
+    return state["step"] + 1, {k: float(v) for k, v in state["metrics"].items()}

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tlt.faults import fault
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
 
@@ -48,7 +49,7 @@ class StepContext:
     sampler: Any  # tlt.rl.sampler.PromptSampler
     reward_fn: Callable
     encode: Callable[[list[str]], list[list[int]]]
-    refresher: Any = None  # tlt.drafter.refresh.DrafterRefresher, None = no drafter
+    refresher: Any = None  # DrafterRefresher or SpotTrainer (tlt.drafter), None = no drafter training
     samples: list[dict] = field(default_factory=list)
     last_batch: Any = None  # the last RolloutBatch, for run-level plots
 
@@ -67,7 +68,11 @@ def reward_metrics(rewards: list[float], tasks: list[str], group_ids: list[int])
 def _rollout(ctx: StepContext, step: int, timer: Timer):
     cfg = ctx.cfg
     rows = ctx.sampler.next(cfg.rollout.prompts_per_step)
+    if ctx.refresher:
+        with timer("sync"):
+            ctx.refresher.before_rollout(ctx.engine)
     with timer("rollout"):
+        fault("rollout", step)
         batch = ctx.engine.generate(ctx.encode(list(rows["prompt"])), group_size=cfg.rollout.group_size,
                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                     seed=cfg.rl.seed * 100_003 + step, spec=cfg.rollout.spec)
@@ -94,6 +99,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     rows, batch = _rollout(ctx, step, timer)
     metrics: dict[str, float] = rollout_metrics(batch)
+    if ctx.refresher:  # spot trainer: stops within one drafter step, new weights loaded
+        with timer("update_drafter"):
+            metrics.update(ctx.refresher.after_rollout(ctx.engine))
     texts, rewards, tasks = _rewards(ctx, rows, batch, timer)
     group_ids = torch.tensor(batch.group_index)
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
@@ -107,14 +115,13 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         ctx.refresher.add_rollouts(step, ids, attn, resp, fo.aux, fo.last_hidden)
     if keep.any():
         with timer("update_policy"):
+            fault("update", step)
             pb = PolicyBatch(input_ids=ids[keep], attention_mask=attn[keep], response_mask=resp[keep],
                              old_logp=fo.logp[keep], advantages=adv[keep], position_ids=pos[keep])
             metrics.update(ctx.updater.step(pb))
-    if ctx.refresher:
-        ctx.refresher.observe(metrics.get("spec/accept_len/mean"))
-        if ctx.refresher.due(step):
-            with timer("update_drafter"):
-                metrics.update(ctx.refresher.refresh(step))
+    if ctx.refresher:  # sequential refresh (when not spot-trained)
+        with timer("update_drafter"):
+            metrics.update(ctx.refresher.after_update(step, metrics.get("spec/accept_len/mean")))
     metrics.update(reward_metrics(rewards, tasks, batch.group_index))
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - t0

@@ -37,6 +37,9 @@ class RolloutEngine:
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.forward_calls = 0  # target forwards, for tests (prefill once per group)
+        # Called once per generate() when the rollout enters its tail (<= spec_threshold running):
+        # the spot trainer starts drafter training there (TLT mechanism 2).
+        self.on_tail = None
 
     # ---- target forward ------------------------------------------------------------------
     def forward(self, ids, pos, mask, cache, keep_last: bool = False, hidden: bool = False):
@@ -72,8 +75,13 @@ class RolloutEngine:
         outs = Outputs.empty(len(prompts) * group_size, opts["max_new"], self.device)
         st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
         self._retire(st, outs)
+        in_tail = False
         while st.size > 0:
             n_run = st.size
+            if not in_tail and n_run <= cfg.spec_threshold:
+                in_tail = True
+                if self.on_tail is not None:
+                    self.on_tail(n_run)
             t_step = time.perf_counter()
             if use_spec and n_run <= cfg.spec_threshold:
                 self._spec_step(st, opts, gen, outs)

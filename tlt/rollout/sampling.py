@@ -27,8 +27,14 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     """Next tokens `[B]` from logits `[B, V]`; greedy when temperature == 0 (no softmax computed)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = target_probs(logits, temperature, top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw(target_probs(logits, temperature, top_p), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of probs [B, V] -> [B]: argmax(p / E), E ~ Exp(1) (the exponential race,
+    exact like multinomial and much faster on CPU for large vocabularies)."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 
 from tlt.config import SpecStrategy
 from tlt.rollout.cache import compact_past
-from tlt.rollout.sampling import reject_siblings, target_probs, token_logprobs
+from tlt.rollout.sampling import draw, reject_siblings, target_probs, token_logprobs
 from tlt.rollout.state import DecodeState, Outputs, block_mask
 
 
@@ -172,7 +172,7 @@ def accept_sampled(logits: torch.Tensor, tree: DraftTree, temperature: float, to
         acc &= alive
         dying = torch.nonzero(alive & ~acc).squeeze(1)
         if dying.numel():
-            bonus[dying] = torch.multinomial(res[dying], 1, generator=gen).squeeze(1)
+            bonus[dying] = draw(res[dying], gen)
         cur = torch.where(acc, order.gather(1, choice[:, None]).squeeze(1) + 1, cur)
         n_acc += acc.long()
         alive = acc
