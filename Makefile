@@ -26,10 +26,10 @@ run: venv
 	$(BIN)/tlt run $(CONFIG)
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not vllm" tests
 
 test-vllm: venv
-	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests
+	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py
 
 ui: venv
 	$(BIN)/tlt ui

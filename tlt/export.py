@@ -44,7 +44,10 @@ def expected_shapes(target_config, draft_vocab_size: int) -> dict[str, tuple[int
         "midlayer.self_attn.k_proj.weight": (kv, 2 * H), "midlayer.self_attn.v_proj.weight": (kv, 2 * H),
         "midlayer.self_attn.o_proj.weight": (H, q), "midlayer.mlp.gate_proj.weight": (I, H),
         "midlayer.mlp.up_proj.weight": (I, H), "midlayer.mlp.down_proj.weight": (H, I),
-        "lm_head.weight": (draft_vocab_size, H), "d2t": (draft_vocab_size,), "t2d": (d["V"],)})
+        "lm_head.weight": (draft_vocab_size, H)})
+    if draft_vocab_size != d["V"]:
+        # vLLM creates its d2t parameter only for a reduced vocabulary and refuses one otherwise.
+        shapes.update({"d2t": (draft_vocab_size,), "t2d": (d["V"],)})
     return shapes
 
 
@@ -92,6 +95,8 @@ def export_eagle3(drafter: Eagle3Drafter, target_config, out_dir: str | Path, fo
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
                for k, v in drafter.trainable_state_dict().items()}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
+    if drafter.draft_vocab_size == drafter.vocab_size:  # full vocabulary: identity maps are implied
+        del tensors["d2t"], tensors["t2d"]
     config = eagle3_config(drafter, target_config, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
@@ -207,7 +212,10 @@ def load_eagle3(path: str | Path, target_model) -> Eagle3Drafter:
     embed = target_model.get_input_embeddings().weight
     drafter = Eagle3Drafter(tc, embed, raw["draft_vocab_size"], raw["eagle_aux_hidden_state_layer_ids"])
     state = load_file(str(path / WEIGHTS))
-    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    state.setdefault("d2t", drafter.d2t)  # full-vocabulary exports ship no maps (identity)
+    state.setdefault("t2d", drafter.t2d)
+    drafter.load_state_dict(state, strict=True)
     head = target_model.get_output_embeddings()
     drafter.target_head = (head.weight if head is not None else embed).detach()
     return drafter.to(embed.device)

@@ -34,6 +34,7 @@ def _worker(target_config, embed, head, state, dcfg_json: str, vd: int, aux_ids,
     drafter = Eagle3Drafter(target_config, embed, vd, aux_ids)
     drafter.load_state_dict(state, strict=True)
     trainer = DrafterTrainer(drafter, DrafterConfig.model_validate_json(dcfg_json), head)
+    res.put(("ready", None))
     while True:
         msg = cmd.get()
         if msg[0] == "exit":
@@ -85,6 +86,7 @@ class SpotTrainer:
             model.config, self._embed, self._head, self.state, cfg.model_dump_json(), drafter.draft_vocab_size,
             drafter.aux_layer_ids, self.cmd, self.res, self.stop, threads))
         self.proc.start()
+        self._get("ready", timeout=300.0)  # pay the worker's start-up (imports) here, not in a tail
         self.total_steps, self._running, self._t_tail = 0, False, 0.0
 
     @property

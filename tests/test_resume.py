@@ -1,0 +1,133 @@
+"""Crash and resume: `tlt run` SIGKILLed at each stage of an RL step, then `tlt run --resume <run id>`.
+
+One chain of runs on one MLflow run (steps 0..3, a checkpoint after every step):
+  R1  step 1 raises once in the policy update -> Prefect retries the flow, which finds its MLflow
+      run by the flow-run-id tag and resumes from checkpoint 0; then SIGKILL in step 2's rollout
+  R2  --resume: SIGKILL in step 2's policy update
+  R3  --resume: SIGKILL in step 2's drafter refresh
+  R4  --resume: SIGKILL while checkpoint 2 is being written (its temp dir is left half written)
+  R5  --resume: SIGKILL after checkpoint 2 is saved, before step 2's metrics are logged
+  R6  --resume: logs step 2's metrics from the checkpoint, runs step 3, finishes
+and one uninterrupted run with the same seed (in parallel with R1). The resumed run must end with
+bitwise the same policy and drafter weights, and hold every (metric, step) exactly once.
+Tuner off (its choices depend on wall-clock) and sequential drafter refresh (the spot trainer
+trains for as long as the rollout's tail lasts): both are timing-dependent by design.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cli_runs import ROOT, TLT, cli_env, prefect_api_url, run_tlt
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+ARGS = ["run", "conf/smoke.yaml", "--set", f"rl.steps={STEPS}", "--set", "rollout.tuner=false",
+        "--set", "drafter.spot=false", "--set", "eval.every=2", "--set", "tracking.samples_every=0",
+        "--set", "export.enabled=false"]
+
+
+def _args(ckpt: Path, resume: str | None = None) -> list[str]:
+    return [*ARGS, "--set", f"trainer.checkpoint_dir={ckpt}", *(["--resume", resume] if resume else [])]
+
+
+def _run_id(tmp: Path) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("tlt").experiment_id])
+    assert len(runs) == 1, [r.info.run_id for r in runs]  # resumes and retries never open a second run
+    return runs[0].info.run_id
+
+
+def _first_step(out: str) -> int:
+    """The first RL step a run executed (from Prefect's task-run log lines)."""
+    return int(re.search(r"Task run 'rl-step-(\d+)'", out).group(1))
+
+
+def _complete(ckpts: Path) -> list[str]:
+    return sorted(p.name for p in ckpts.glob("step-*"))
+
+
+def _final_weights(ckpts: Path) -> dict[str, torch.Tensor]:
+    last = ckpts / f"step-{STEPS - 1:06d}"
+    out = {}
+    for group in ("policy", "drafter", "buffer"):
+        out |= {f"{group}.{k}": v for k, v in load_file(str(last / f"{group}.safetensors")).items()}
+    return out
+
+
+def _expect_kill(proc: subprocess.CompletedProcess, what: str) -> None:
+    assert proc.returncode == -9, f"{what}: expected SIGKILL, got rc {proc.returncode}\n{proc.stdout[-3000:]}"
+
+
+def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
+    api = prefect_api_url()
+    ref_dir, dir_ = tmp_path / "ref", tmp_path / "crash"
+    ref_dir.mkdir(), dir_.mkdir()
+    ckpt = dir_ / "runs"
+
+    # the reference run, in parallel with R1 (separate store and checkpoint dir)
+    ref = subprocess.Popen([TLT, *_args(ref_dir / "runs")], cwd=ROOT, env=cli_env(ref_dir, api),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    r1 = run_tlt(_args(ckpt), cli_env(dir_, api, TLT_FAULT="update:1:raise,rollout:2"))
+    _expect_kill(r1, "R1")
+    assert "injected fault at update:1" in r1.stdout
+    assert re.search(r"Flow run .* Received non-final state 'AwaitingRetry'", r1.stdout), r1.stdout[-3000:]
+    run_id = _run_id(dir_)
+    ckpts = ckpt / run_id / "checkpoints"
+    assert _complete(ckpts) == ["step-000000", "step-000001"]  # the retry resumed and got through step 1
+
+    for fault, what in [("update:2", "policy update"), ("refresh:2", "drafter refresh"),
+                        ("checkpoint:2", "checkpoint write")]:
+        r = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT=fault))
+        _expect_kill(r, what)
+        assert _first_step(r.stdout) == 2, what  # continued after the last complete checkpoint (1)
+        assert _complete(ckpts) == ["step-000000", "step-000001"], what
+    assert list(ckpts.glob(".tmp-step-000002-*")), "the interrupted save should leave its temp dir"
+
+    r5 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT="checkpointed:2"))
+    _expect_kill(r5, "R5")
+    assert "ignoring incomplete checkpoint" in r5.stdout  # the half-written one was seen, not loaded
+    assert _first_step(r5.stdout) == 2
+    assert _complete(ckpts)[-1] == "step-000002" and not list(ckpts.glob(".tmp-*"))
+
+    r6 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api))
+    assert r6.returncode == 0, r6.stdout[-3000:]
+    assert _first_step(r6.stdout) == 3
+
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out[-3000:]
+    ref_id = _run_id(ref_dir)
+
+    # same policy, drafter and drafter buffer, bitwise (CPU, same thread count, same seeds)
+    a, b = _final_weights(ckpts), _final_weights(ref_dir / "runs" / ref_id / "checkpoints")
+    assert a.keys() == b.keys()
+    diff = max((x.float() - b[k].float()).abs().max().item() for k, x in a.items())
+    assert all(torch.equal(x, b[k]) for k, x in a.items()), f"max abs diff {diff}"
+
+    # one MLflow run, every (key, step) once, no RL step lost
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{dir_ / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    ref_keys = set(MlflowClient(f"sqlite:///{ref_dir / 'mlflow.db'}").get_run(ref_id).data.metrics)
+    assert set(run.data.metrics) == ref_keys
+    for key in run.data.metrics:
+        steps = [m.step for m in client.get_metric_history(run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))
+    for key in ("reward/mean", "policy/loss", "drafter/loss", "timing_s/step"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == list(range(1, STEPS + 1)), key
+    assert sorted(m.step for m in client.get_metric_history(run_id, "eval/accuracy")) == [0, 2, 4]
+    # step 2's metrics came from checkpoint 2 (R5 died before logging them): R6 logged the saved values
+    saved = __import__("json").loads((ckpts / "step-000002" / "state.json").read_text())["metrics"]
+    logged = {m.step: m.value for m in client.get_metric_history(run_id, "reward/mean")}
+    assert logged[3] == saved["reward/mean"]

@@ -1,0 +1,78 @@
+"""Spot trainer: trains in a worker process between start (tail) and finish (rollout end)."""
+import time
+
+import pytest
+import torch
+
+from tlt.config import DrafterConfig
+from tlt.drafter.model import build_drafter
+from tlt.drafter.spot import SpotTrainer
+from tlt.drafter.train import DrafterTrainer
+from tlt.models import tiny_model
+from tlt.rl.logprobs import forward_logprobs, make_batch
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    target = tiny_model("llama", layers=6, hidden=128, vocab=256)
+    cfg = DrafterConfig(draft_vocab_size=0, batch_tokens=256, lr=1e-3)
+    drafter = build_drafter(target, cfg)
+    spot = SpotTrainer(target, drafter, cfg, threads=1)
+    prompts = [[1, 5, 6, 7], [1, 8, 9]]
+    responses = [list(range(20, 44)), list(range(50, 70))]
+    ids, attn, resp, pos = make_batch(prompts, responses, 0)
+    with torch.no_grad():
+        fo = forward_logprobs(target, ids, attn, resp, aux_layer_ids=drafter.aux_layer_ids, position_ids=pos)
+    spot.add_rollouts(0, ids, attn, resp, fo.aux, fo.last_hidden)
+    yield target, drafter, spot
+    spot.close()
+
+
+def test_no_training_without_data_or_start(setup):
+    _, _, spot = setup
+    assert spot.finish()["drafter/spot_steps"] == 0.0  # never started: nothing to stop
+
+
+def test_trains_until_finish_and_loads_weights(setup):
+    _, drafter, spot = setup
+    before = {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
+    spot.start(1)
+    time.sleep(3.0)  # the "tail": the worker trains meanwhile
+    m = spot.finish()
+    assert m["drafter/spot_steps"] >= 1 and m["drafter/loss"] > 0
+    changed = [k for k, v in drafter.trainable_state_dict().items() if not torch.equal(v, before[k])]
+    assert "fc.weight" in changed and "midlayer.mlp.down_proj.weight" in changed
+    assert not any("embed" in k for k in drafter.trainable_state_dict())  # frozen embedding never moves
+    assert torch.equal(drafter.embed_weight, setup[0].get_input_embeddings().weight)
+
+
+def test_loaded_weights_lower_the_loss(setup):
+    """The weights that come back from the worker fit the buffer better than a fresh drafter."""
+    target, drafter, spot = setup
+    fresh = build_drafter(target, spot.cfg)
+    batch = spot.buffer.batches(spot.cfg.batch_tokens, None)[0]
+    head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        trained_loss, _ = DrafterTrainer(drafter, spot.cfg, head).compute_loss(batch)
+        fresh_loss, _ = DrafterTrainer(fresh, spot.cfg, head).compute_loss(batch)
+    assert float(trained_loss) < 0.8 * float(fresh_loss)
+
+
+def test_policy_sync_through_shared_memory(setup):
+    target, _, spot = setup
+    with torch.no_grad():
+        target.get_input_embeddings().weight.add_(0.5)
+    spot.sync_policy()
+    assert torch.equal(spot._embed, target.get_input_embeddings().weight)
+    with torch.no_grad():
+        target.get_input_embeddings().weight.sub_(0.5)
+    spot.sync_policy()
+
+
+def test_optimizer_state_round_trip(setup):
+    _, drafter, spot = setup
+    opt = spot.optimizer_state()
+    assert opt["num_steps"] >= 1 and opt["optimizer"]["state"]
+    spot.load(drafter.trainable_state_dict(), opt)
+    assert spot.optimizer_state()["num_steps"] == opt["num_steps"]
