@@ -7,6 +7,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
@@ -54,7 +55,10 @@ def warmstart_drafter(run_id: str) -> WarmstartSummary:
 
 @task(name="resume", cache_policy=NO_CACHE)
 def resume(run_id: str) -> int:
-    return get_pipeline(run_id).resume()
+    start = get_pipeline(run_id).resume()
+    if start:
+        get_run_logger().info(f"resumed from checkpoint step-{start - 1:06d}: next RL step {start}")
+    return start
 
 
 @task(name="rl-step", cache_policy=NO_CACHE, task_run_name="rl-step-{step}")
@@ -101,3 +105,20 @@ def promote(run_id: str, export: ExportSummary) -> bool:
 @task(name="finish-run", cache_policy=NO_CACHE)
 def finish_run(run_id: str, status: str = "FINISHED") -> None:
     close_pipeline(run_id, status)
+
+
+@task(name="load-checkpoint", cache_policy=NO_CACHE)
+def load_checkpoint(run_id: str, checkpoint: str) -> int:
+    return get_pipeline(run_id).load_weights(checkpoint)
+
+
+@task(name="export-checkpoint", cache_policy=NO_CACHE, retries=1)
+def export_checkpoint(out: str, run_id: str | None, checkpoint: str | None, force: bool, checkpoint_root: str) -> dict:
+    from pathlib import Path
+
+    from tlt.export_run import export_checkpoint as export, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(run_id, checkpoint, checkpoint_root)
+    path, _ = export(ckpt, Path(out), force=force)
+    create_markdown_artifact(f"EAGLE-3 drafter of `{ckpt}` exported to `{path}`", key="export")
+    return {"checkpoint": str(ckpt), "path": str(path)}

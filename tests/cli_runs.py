@@ -30,7 +30,8 @@ def cli_env(tmp: Path, api_url: str | None = None, **extra: str) -> dict[str, st
     return env
 
 
-def run_tlt(args: list[str], env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run_tlt(args: list[str], env: dict[str, str], timeout: float = 300, log: Path | None = None
+            ) -> subprocess.CompletedProcess:
     """`tlt ARGS` in its own process group; whatever it leaves behind (a spot-trainer worker, a
     temporary Prefect server) is killed with the group afterwards, as a crash of the machine would."""
     proc = subprocess.Popen([TLT, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -43,4 +44,6 @@ def run_tlt(args: list[str], env: dict[str, str], timeout: float = 300) -> subpr
         except ProcessLookupError:
             pass
         proc.wait()
+    if log is not None:
+        log.write_text(out or "")
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")

@@ -1,4 +1,10 @@
-"""The smoke recipe end to end: a real Prefect API and a real sqlite MLflow store."""
+"""The smoke recipe end to end: a real Prefect API and a real sqlite MLflow store.
+
+Two real runs (SD with the spot-trained drafter, and plain decoding) are made once per module
+and then read back, compared, exported and evaluated.
+"""
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,42 +16,97 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
-def test_smoke_flow_end_to_end(prefect_api, mlflow_uri, tmp_path):
-    from prefect.artifacts import Artifact
-
+@pytest.fixture(scope="module")
+def runs(prefect_api, tmp_path_factory):
     from flows.train import tlt_train
 
-    cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp_path / 'runs'}"])
-    result = tlt_train(config=cfg)
-    run = read_run(result["run_id"], mlflow_uri)
-    assert run["status"] == "FINISHED"
-    assert run["params"]["rl.steps"] == str(cfg.rl.steps)
-    assert run["params"]["model.name_or_path"] == "tiny:llama"
-    assert "config.yaml" in run["artifacts"]
-    assert run["tags"]["prefect.flow_run_id"]
-    acc = metric_history(result["run_id"], "eval/accuracy", mlflow_uri)
-    assert acc and all(0.0 <= v <= 1.0 for _, v in acc)
-    assert [s for s, _ in acc] == list(range(cfg.rl.steps + 1))  # eval every step, incl. the baseline
-    for key in ("reward/mean", "spec/accept_len/mean", "policy/loss", "drafter/steps", "timing_s/step",
-                "timing_s/update_drafter", "rollout/response_length/max"):
-        steps = [s for s, _ in metric_history(result["run_id"], key, mlflow_uri)]
-        assert steps == list(range(1, cfg.rl.steps + 1)), key
-    # spot trainer: step 1's buffer is empty (one-step offset), later steps train in the tail
-    spot = dict(metric_history(result["run_id"], "drafter/spot_steps", mlflow_uri))
-    assert spot[1] == 0 and spot[2] > 0
-    assert [s for s, _ in metric_history(result["run_id"], "drafter/loss", mlflow_uri)] == [2]
-    assert metric_history(result["run_id"], "warmstart/accept_len_after", mlflow_uri)
-    plots = {p.split("/")[-1] for p in run["artifacts"]} | set(run["artifacts"])
-    assert "plots" in plots and "drafter" in plots
-    for key in ("data-report", "models", "warmstart", "rl-step", "eval", "run-report", "export"):
-        assert Artifact.get(key) is not None, key
-    # the export is a registered model version with the target and accept length as tags
+    tmp = tmp_path_factory.mktemp("e2e")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MLFLOW_TRACKING_URI", uri)
+    cfgs = [load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp / 'runs'}", *extra])
+            for extra in ([], ["rollout.spec=false", "name=smoke-plain"])]
+    results = [tlt_train(config=c) for c in cfgs]
+    yield {"uri": uri, "tmp": tmp, "cfgs": cfgs, "results": results}
+    mp.undo()
+
+
+def test_every_stage_tracked(runs):
+    from prefect.artifacts import Artifact
+
     from tlt.export import check_export
     from tlt.models import load_target
 
+    uri, cfg, result = runs["uri"], runs["cfgs"][0], runs["results"][0]
+    rid = result["run_id"]
+    run = read_run(rid, uri)
+    assert run["status"] == "FINISHED"
+    assert run["params"]["rl.steps"] == str(cfg.rl.steps) and run["params"]["model.name_or_path"] == "tiny:llama"
+    assert "config.yaml" in run["artifacts"] and run["tags"]["prefect.flow_run_id"]
+    acc = metric_history(rid, "eval/accuracy", uri)
+    assert [s for s, _ in acc] == list(range(cfg.rl.steps + 1)) and all(0 <= v <= 1 for _, v in acc)
+    for key in ("reward/mean", "spec/accept_len/mean", "policy/loss", "drafter/steps", "timing_s/step",
+                "timing_s/update_drafter", "rollout/response_length/max"):
+        assert [s for s, _ in metric_history(rid, key, uri)] == list(range(1, cfg.rl.steps + 1)), key
+    # spot trainer: step 1's buffer is empty (one-step offset), later steps train in the tail
+    spot = dict(metric_history(rid, "drafter/spot_steps", uri))
+    assert spot[1] == 0 and spot[2] > 0
+    assert metric_history(rid, "warmstart/accept_len_after", uri)
+    assert "plots" in run["artifacts"] and "drafter" in run["artifacts"]
+    for key in ("data-report", "models", "warmstart", "rl-step", "eval", "run-report", "export"):
+        assert Artifact.get(key) is not None, key
     target, _ = load_target(cfg.model)
     assert check_export(result["export"]["path"], target.config) == []
-    assert result["export"]["version"] == "1"
-    # the policy moved and a checkpoint exists for every step
-    ckpts = sorted((tmp_path / "runs" / result["run_id"] / "checkpoints").glob("step-*"))
-    assert [c.name for c in ckpts][-1] == f"step-{cfg.rl.steps - 1:06d}"
+    assert result["export"]["version"] is not None
+    ckpts = sorted((runs["tmp"] / "runs" / rid / "checkpoints").glob("step-*"))
+    assert ckpts[-1].name == f"step-{cfg.rl.steps - 1:06d}"
+
+
+def test_plain_run_has_no_speculation(runs):
+    rid = runs["results"][1]["run_id"]
+    assert metric_history(rid, "spec/enabled_share", runs["uri"])[-1][1] == 0.0
+    assert runs["results"][1]["export"] is not None  # the warm-started drafter is still exported
+
+
+def _tlt(*args, env_uri):
+    import os
+
+    env = dict(os.environ, MLFLOW_TRACKING_URI=env_uri)
+    return subprocess.run([sys.executable, "-m", "tlt.cli", *args], capture_output=True, text=True, cwd=ROOT, env=env)
+
+
+def test_compare_two_real_runs(runs, tmp_path):
+    from tlt.compare import compare_runs
+
+    ids = [r["run_id"] for r in runs["results"]]
+    df = compare_runs(ids, runs["uri"])
+    assert list(df["run_id"]) == ids
+    assert df["accept_len"].iloc[0] >= 1.0 and df["steps"].tolist() == [2, 2]
+    out = _tlt("compare", *ids, "--out", str(tmp_path / "cmp.png"), env_uri=runs["uri"])
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "cmp.png").stat().st_size > 1000 and "smoke" in out.stdout
+
+
+def test_export_cli_from_checkpoint_and_refuses_non_empty(runs, tmp_path):
+    rid = runs["results"][0]["run_id"]
+    ckpt_root = runs["tmp"] / "runs" / rid
+    out = _tlt("export", "--checkpoint", str(ckpt_root), "--out", str(tmp_path / "d"), env_uri=runs["uri"])
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "d" / "model.safetensors").exists()
+    again = _tlt("export", "--checkpoint", str(ckpt_root), "--out", str(tmp_path / "d"), env_uri=runs["uri"])
+    assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
+    forced = _tlt("export", "--checkpoint", str(ckpt_root), "--out", str(tmp_path / "d"), "--force",
+                  env_uri=runs["uri"])
+    assert forced.returncode == 0, forced.stderr
+
+
+def test_evaluate_flow_on_checkpoint(runs, monkeypatch):
+    from flows.evaluate import tlt_evaluate
+    from tlt.checkpoint import latest_checkpoint
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", runs["uri"])
+    rid = runs["results"][0]["run_id"]
+    ckpt = latest_checkpoint(runs["tmp"] / "runs" / rid / "checkpoints")
+    res = tlt_evaluate(config=runs["cfgs"][0], checkpoint=str(ckpt))
+    assert res["eval"]["step"] == runs["cfgs"][0].rl.steps and 0 <= res["eval"]["accuracy"] <= 1
+    assert res["eval"]["accept_len"] is not None and res["eval"]["accept_len"] >= 1.0

@@ -47,8 +47,10 @@ def _run_id(tmp: Path) -> str:
 
 
 def _first_step(out: str) -> int:
-    """The first RL step a run executed (from Prefect's task-run log lines)."""
-    return int(re.search(r"Task run 'rl-step-(\d+)'", out).group(1))
+    """The RL step a resumed run continued at (the resume task's log line)."""
+    found = re.findall(r"resumed from checkpoint step-\d+: next RL step (\d+)", out)
+    assert found, out[-3000:]
+    return int(found[-1])
 
 
 def _complete(ckpts: Path) -> list[str]:
@@ -77,29 +79,30 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     ref = subprocess.Popen([TLT, *_args(ref_dir / "runs")], cwd=ROOT, env=cli_env(ref_dir, api),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    r1 = run_tlt(_args(ckpt), cli_env(dir_, api, TLT_FAULT="update:1:raise,rollout:2"))
+    r1 = run_tlt(_args(ckpt), cli_env(dir_, api, TLT_FAULT="update:1:raise,rollout:2"),
+                 log=tmp_path / "r1.log")
     _expect_kill(r1, "R1")
     assert "injected fault at update:1" in r1.stdout
-    assert re.search(r"Flow run .* Received non-final state 'AwaitingRetry'", r1.stdout), r1.stdout[-3000:]
+    assert _first_step(r1.stdout) == 1  # the flow's retry resumed its own MLflow run from checkpoint 0
     run_id = _run_id(dir_)
     ckpts = ckpt / run_id / "checkpoints"
     assert _complete(ckpts) == ["step-000000", "step-000001"]  # the retry resumed and got through step 1
 
     for fault, what in [("update:2", "policy update"), ("refresh:2", "drafter refresh"),
                         ("checkpoint:2", "checkpoint write")]:
-        r = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT=fault))
+        r = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT=fault), log=tmp_path / f"{what}.log")
         _expect_kill(r, what)
         assert _first_step(r.stdout) == 2, what  # continued after the last complete checkpoint (1)
         assert _complete(ckpts) == ["step-000000", "step-000001"], what
     assert list(ckpts.glob(".tmp-step-000002-*")), "the interrupted save should leave its temp dir"
 
-    r5 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT="checkpointed:2"))
+    r5 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT="checkpointed:2"), log=tmp_path / "r5.log")
     _expect_kill(r5, "R5")
     assert "ignoring incomplete checkpoint" in r5.stdout  # the half-written one was seen, not loaded
     assert _first_step(r5.stdout) == 2
     assert _complete(ckpts)[-1] == "step-000002" and not list(ckpts.glob(".tmp-*"))
 
-    r6 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api))
+    r6 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api), log=tmp_path / "r6.log")
     assert r6.returncode == 0, r6.stdout[-3000:]
     assert _first_step(r6.stdout) == 3
 

@@ -126,6 +126,39 @@ def bench_rollout(config: Path, json_out: Optional[Path] = typer.Option(None, "-
     bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *sum((["--set", s] for s in set_ or []), [])])
 
 
+@app.command("export")
+def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id of a tlt-train run"),
+           checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run's checkpoint (or run) folder"),
+           out_dir: Path = typer.Option(..., "--out", help="Export directory (EAGLE-3, loadable by vLLM / SGLang)"),
+           force: bool = typer.Option(False, "--force", help="Replace a non-empty --out directory"),
+           register: bool = typer.Option(True, help="Log to MLflow and register a version of tlt-drafter (with --run)")) -> None:
+    """Write the drafter of a run as an EAGLE-3 directory that vLLM and SGLang load."""
+    import time
+
+    from tlt.export_run import export_checkpoint, resolve_checkpoint
+
+    t0 = time.perf_counter()
+    root = "runs"
+    if run:
+        from tlt.tracking import read_run
+
+        root = read_run(run)["params"].get("trainer.checkpoint_dir", root)
+    ckpt = resolve_checkpoint(run, checkpoint, root)
+    path, cfg = export_checkpoint(ckpt, out_dir, force=force)
+    out.print(f"exported {ckpt} -> {path} in {time.perf_counter() - t0:.1f} s")
+    if run and register:
+        from tlt.tracking import make_tracker
+
+        tracker = make_tracker(cfg.tracking.model_copy(update={"system_metrics": False}), run_id=run)
+        tracker.log_artifacts(path, "drafter_export")
+        version = tracker.register(cfg.export.model_name, "drafter_export",
+                                   tags={"target": cfg.model.name_or_path, "checkpoint": str(ckpt), "format": "eagle3"})
+        tracker.end()
+        out.print(f"registered {cfg.export.model_name} version {version}")
+    out.print(f"serve it: vllm serve <target> --speculative-config "
+              f"'{{\"method\":\"eagle3\",\"model\":\"{path}\",\"num_speculative_tokens\":3}}'")
+
+
 @app.command("compare")
 def compare(run_ids: Optional[list[str]] = typer.Argument(None),
             experiment: Optional[str] = typer.Option(None, "--experiment", help="Compare the newest runs of this experiment"),

@@ -17,13 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tlt.drafter.model import Eagle3Drafter, rope_parameters
+from tlt.errors import UserError
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 _NORMS = ["midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
           "midlayer.post_attention_layernorm.weight", "norm.weight"]
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError):
     """An export or load problem, phrased for the user (what is wrong and what to do)."""
 
 

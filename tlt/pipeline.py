@@ -45,6 +45,7 @@ class Pipeline:
         name = tracker.run_id if tracker is not None and tracker.run_id else cfg.name
         self.run_dir = Path(cfg.trainer.checkpoint_dir) / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))  # what `tlt export --checkpoint` rebuilds from
         torch.manual_seed(cfg.rl.seed)
         self.model = self.tokenizer = self.dataset = self.engine = self.drafter = None
         self.refresher = self.ctx = None
@@ -159,6 +160,20 @@ class Pipeline:
         self.tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
         self.last_eval_records = records
         return summary
+
+    def load_weights(self, checkpoint: str | Path) -> int:
+        """Policy (and drafter, when present) from a run checkpoint, for evaluation; returns its step."""
+        from tlt.checkpoint import load_checkpoint
+        from tlt.drafter.refresh import DrafterRefresher
+        from tlt.drafter.train import DrafterTrainer
+
+        tensors, state, _ = load_checkpoint(Path(checkpoint))
+        self.model.load_state_dict(tensors["policy"], strict=True)
+        if "drafter" in tensors and self.drafter is not None:
+            self.drafter.load_state_dict(tensors["drafter"], strict=True)
+            head = self.model.get_output_embeddings().weight
+            self.refresher = DrafterRefresher(DrafterTrainer(self.drafter, self.cfg.drafter, head), self.cfg.drafter)
+        return int(state["step"]) + 1
 
     def heldout_accept_len(self) -> float:
         """Greedy SD at batch 1 over the first held-out prompts: mean tokens per target pass."""
