@@ -208,7 +208,11 @@ def _explain(err: ValidationError) -> str:
 
 
 def _parse_scalar(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
+    """A YAML scalar/list when it parses (3, false, [1,2]), else the raw text (e.g. a cron '*/5 * * * *')."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:

@@ -1,0 +1,344 @@
+"""RL step benchmark: the tlt GRPO loop plain / with the adaptive drafter / with a frozen drafter,
+and TRL's GRPOTrainer as the peer, on the same model, prompts, group size and lengths.
+
+    python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl]
+
+The three tlt runs live in this process, built with `Pipeline(cfg)` from the same seed and data,
+and are interleaved step by step (the order rotates every step) so the shared machine's noise
+hits them alike: plain (`rollout.spec=false`, no drafter training), adaptive (SD + spot trainer
+in the rollout tail) and frozen (SD, warm-start drafter only). Adaptive and frozen start from the
+same warm-start drafter (one cache entry, checked tensor by tensor). Step seconds are
+`timing_s/step` means over steps 1..N-1: step 0 pays one-off costs (AdamW state allocation,
+first-touch of the KV cache, the spot worker's first batches).
+
+Accuracy parity: SD is lossless in distribution, not sample for sample, so the plain and adaptive
+`reward/mean` curves are compared with a paired sign-flip permutation test (see `parity`), and
+greedy evaluation is checked token-identical with SD forced on vs off on the same weights.
+TRL runs afterwards in its own venv (`.venv-trl`, created once) through bench/trl_grpo.py.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {  # overrides per run; the spot trainer needs refresh_every > 0 to be wired into the step
+    "plain": ["rollout.spec=false", "drafter.refresh_every=0", "drafter.spot=false"],
+    "adaptive": ["rollout.spec=true", "drafter.spot=true", "drafter.refresh_every=1"],
+    "frozen": ["rollout.spec=true", "drafter.spot=false", "drafter.refresh_every=0"],
+}
+ALPHA = 0.01
+N_PERM = 20_000
+TRL_SPEC = ("torch==2.13.0", "trl==1.16.0")  # torch first: the local CPU wheel, never a CUDA build
+PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over "
+               "(step, prompt) pairs of the difference of group-mean rewards, adaptive - plain "
+               "(same prompts per step in both runs), alpha 0.01; per-step Welch t-tests on the "
+               "per-sample rewards are reported for information (Bonferroni alpha 0.01/N)")
+
+
+# ---------------------------------------------------------------- configs and the tlt runs
+def mode_config(config: str | None, overrides: list[str], mode: str, steps: int, out_dir: Path):
+    """RunConfig of one run. rl.steps = N + 1 so that the pipeline's final checkpoint (outside
+    `timing_s/step`, ~1.6 GB for SmolLM2) is never written; per-step checkpoints are off."""
+    from tlt.config import load_config
+
+    extra = [f"name=bench-{mode}", f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}",
+             f"rl.steps={steps + 1}", "tracking.samples_every=0"]
+    return load_config(config, list(overrides) + MODES[mode] + extra)
+
+
+def warmstart_cache(pipe) -> Path:
+    """The warm-start cache entry that `Pipeline.warmstart` reads (tlt/drafter/warmstart.py)."""
+    from tlt.drafter.warmstart import fingerprint
+
+    d = pipe.cfg.drafter
+    prompts = pipe.prompt_ids(pipe.dataset.train["prompt"][: d.warmstart_prompts])
+    return Path(pipe.cfg.model.cache_dir).parent / "drafters" / fingerprint(pipe.model, prompts, d, pipe.cfg.rollout)
+
+
+def shared_warmstart(pipes: dict) -> bool:
+    """Warm-start adaptive, then the others from the same drafter; True if all drafters are equal.
+
+    The cache key hashes the whole drafter and rollout config, so spot / refresh_every / spec give
+    each run its own key although the warm-start ignores them: the adaptive entry is copied to the
+    others' keys (no second training), then the tensors are compared (and copied on a mismatch).
+    """
+    src = pipes["adaptive"]
+    src.warmstart()
+    for name, p in pipes.items():
+        if name == "adaptive":
+            continue
+        dst = warmstart_cache(p)
+        if not (dst / "summary.json").exists():
+            shutil.copytree(warmstart_cache(src), dst, dirs_exist_ok=True)
+        p.warmstart()
+    ref = src.drafter.state_dict()
+    same = True
+    for name, p in pipes.items():
+        sd = p.drafter.state_dict()
+        if sd.keys() != ref.keys() or any(not sd[k].equal(ref[k]) for k in ref):
+            same = False
+            p.drafter.load_state_dict(ref, strict=True)
+    return same
+
+
+def step_record(pipe, summary) -> dict:
+    """What the benchmark keeps of one step: its metrics and the per-sample rewards by group."""
+    batch, m = pipe.ctx.last_batch, summary.metrics
+    prompts = list(dict.fromkeys(s["prompt"] for s in pipe.ctx.samples))
+    return {"step_s": m["timing_s/step"], "rollout_s": m.get("timing_s/rollout", 0.0),
+            "update_policy_s": m.get("timing_s/update_policy", 0.0),
+            "update_drafter_s": m.get("timing_s/update_drafter", 0.0), "sync_s": m.get("timing_s/sync", 0.0),
+            "reward_mean": m["reward/mean"], "accept_len": m.get("spec/accept_len/mean"),
+            "spec_enabled_share": m.get("spec/enabled_share", 0.0), "tail_share": m.get("rollout/tail_share"),
+            "response_length_mean": m.get("rollout/response_length/mean"),
+            "drafter_spot_steps": m.get("drafter/spot_steps"), "drafter_loss": m.get("drafter/loss"),
+            "rewards": [float(s["reward"]) for s in pipe.ctx.samples],
+            "group_index": [int(g) for g in batch.group_index], "prompts": prompts}
+
+
+def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
+    """Evaluate with SD forced on at every decode step (threshold = eval batch), then with SD off,
+    on the same weights; greedy SD must give token-identical responses."""
+    eng, spec = pipe.engine, pipe.cfg.rollout.spec
+    old = eng.cfg
+    eng.cfg = old.model_copy(update={"spec_threshold": pipe.cfg.eval.batch_size})
+    try:
+        on = pipe.evaluate(step)
+    finally:
+        eng.cfg = old
+    records_on = pipe.last_eval_records
+    pipe.cfg.rollout.spec = False  # generate_greedy reads it
+    try:
+        off = pipe.evaluate(step)
+    finally:
+        pipe.cfg.rollout.spec = spec
+    same = [a["response"] for a in records_on] == [b["response"] for b in pipe.last_eval_records]
+    return same, {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy, "accept_len": on.accept_len,
+                  "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
+
+
+def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path) -> dict:
+    """The three runs, interleaved step by step; returns per-mode step records and end results."""
+    from tlt.pipeline import Pipeline
+
+    pipes = {m: Pipeline(mode_config(config, overrides, m, steps, out_dir)) for m in MODES}
+    for p in pipes.values():
+        p.validate_data()
+        p.prepare()
+    same_drafter = shared_warmstart(pipes)
+    runs: dict[str, dict] = {m: {"steps": []} for m in MODES}
+    order = list(MODES)
+    try:
+        for step in range(steps):
+            for m in order[step % 3:] + order[: step % 3]:  # rotate who goes first
+                summary = pipes[m].rl_step(step)
+                runs[m]["steps"].append(step_record(pipes[m], summary))
+                print(f"step {step} {m:>8}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
+                      f"accept {summary.accept_len or 0:.2f}", flush=True)
+        for m, p in pipes.items():
+            if p.cfg.rollout.spec:
+                same, ev = greedy_identical(p, steps)
+                runs[m].update(eval=ev, greedy_identical=same)
+            else:
+                ev = p.evaluate(steps)
+                runs[m]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
+    finally:
+        for p in pipes.values():
+            if p.refresher is not None:
+                p.refresher.close()
+    train_rows = pipes["plain"].dataset.train
+    cfg = pipes["plain"].cfg
+    del pipes
+    gc.collect()
+    return {"runs": runs, "same_warmstart_drafter": same_drafter, "train_rows": train_rows, "cfg": cfg}
+
+
+# ---------------------------------------------------------------- statistics
+def group_means(rewards: list[float], group_index: list[int]) -> np.ndarray:
+    r, g = np.asarray(rewards, float), np.asarray(group_index)
+    return np.array([r[g == k].mean() for k in sorted(set(group_index))])
+
+
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided Welch t-test p-value; 1.0 when both samples are constant and equal."""
+    from scipy import stats
+
+    if np.std(a) == 0 and np.std(b) == 0:
+        return 1.0 if np.mean(a) == np.mean(b) else 0.0
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def parity(plain: list[dict], spec: list[dict], alpha: float = ALPHA, n_perm: int = N_PERM) -> dict:
+    """`PARITY_TEST` on two runs' step records (same prompts per step); match = p >= alpha."""
+    diffs = np.concatenate([group_means(s["rewards"], s["group_index"]) - group_means(p["rewards"], p["group_index"])
+                            for p, s in zip(plain, spec)])
+    obs = abs(diffs.mean())
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(n_perm, len(diffs)))
+    null = np.abs((signs * diffs).mean(axis=1))
+    p_value = float((1 + np.sum(null >= obs - 1e-12)) / (n_perm + 1))
+    welch = [welch_p(p["rewards"], s["rewards"]) for p, s in zip(plain, spec)]
+    return {"parity_test": PARITY_TEST, "parity_p_value": p_value, "parity_n_pairs": int(len(diffs)),
+            "parity_mean_diff": float(diffs.mean()), "reward_curves_match": bool(p_value >= alpha),
+            "welch_p_per_step": welch, "welch_all_steps_match": bool(all(w >= alpha / len(welch) for w in welch))}
+
+
+def mean_excluding_first(values: list[float]) -> float:
+    return float(np.mean(values[1:] if len(values) > 1 else values))
+
+
+# ---------------------------------------------------------------- TRL peer
+def trl_batching(prompts_per_step: int, group_size: int, micro_batch: int) -> tuple[int, int]:
+    """(per_device_train_batch_size, gradient_accumulation_steps) so that one optimizer step
+    consumes prompts x G completions, in micro-batches of at most `micro_batch`."""
+    total = prompts_per_step * group_size
+    per_device = math.gcd(total, micro_batch)
+    return per_device, total // per_device
+
+
+def ensure_trl_venv(venv: Path = ROOT / ".venv-trl") -> Path:
+    """Create `venv` with TRL once (a stamp makes reruns a no-op); returns its python."""
+    stamp, py = venv / ".trl-installed", venv / "bin" / "python"
+    if stamp.exists() and stamp.read_text().strip() == " ".join(TRL_SPEC):
+        return py
+    print(f"bench: creating {venv} with {' '.join(TRL_SPEC)} (once, ~2 min)", flush=True)
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for spec in TRL_SPEC:  # torch alone first, so trl's dependency on torch is already met
+        subprocess.run([str(py), "-m", "pip", "install", "-q", spec], check=True)
+    stamp.write_text(" ".join(TRL_SPEC) + "\n")
+    return py
+
+
+def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]]:
+    """The prompts tlt's sampler draws for steps 0..N-1, chat template applied as tlt does."""
+    from tlt.data import render_prompt
+    from tlt.models import load_tokenizer
+    from tlt.rl.sampler import PromptSampler
+
+    tok, d = load_tokenizer(cfg.model), cfg.data
+    sampler, per_step = PromptSampler(train_rows, seed=d.seed), []
+    with path.open("w") as f:
+        for _ in range(steps):
+            rows = sampler.next(cfg.rollout.prompts_per_step)
+            per_step.append(list(rows["prompt"]))
+            for prompt, answer in zip(rows["prompt"], rows["answer"]):
+                text = render_prompt(tok, prompt, d.instruction, d.system_prompt)
+                f.write(json.dumps({"prompt": text, "answer": str(answer)}) + "\n")
+    return per_step
+
+
+def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
+    from tlt.models import bundled_smollm2_dir
+
+    py = ensure_trl_venv()
+    prompts = out_dir / "trl_prompts.jsonl"
+    write_trl_prompts(train_rows, cfg, steps, prompts)
+    per_device, accum = trl_batching(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.trainer.micro_batch_size)
+    r, rl = cfg.rollout, cfg.rl
+    args = {"model_dir": str(bundled_smollm2_dir(cfg.model.cache_dir)), "prompts": str(prompts),
+            "out_json": str(out_dir / "trl.json"), "output_dir": str(out_dir / "trl"), "steps": steps,
+            "num_generations": r.group_size, "max_completion_length": r.max_new_tokens, "temperature": r.temperature,
+            "top_p": r.top_p, "lr": rl.lr, "weight_decay": rl.weight_decay, "max_grad_norm": cfg.trainer.grad_clip,
+            "epsilon": rl.clip_low, "epsilon_high": rl.clip_high, "beta": rl.kl_coef, "seed": rl.seed,
+            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}
+    (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    subprocess.run([str(py), str(ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")], check=True, env=env)
+    out = json.loads((out_dir / "trl.json").read_text())
+    out["batching"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}
+    return out
+
+
+# ---------------------------------------------------------------- result and table
+def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
+    runs = tlt["runs"]
+    curve = lambda m, k: [s[k] for s in runs[m]["steps"]]  # noqa: E731 - per-step series of one run
+    step_s = {m: mean_excluding_first(curve(m, "step_s")) for m in runs}
+    a = runs["adaptive"]["steps"]
+    res = {"steps": steps, "excluded_from_means": "step 0" if steps > 1 else "nothing (one step)",
+           "step_s_plain": step_s["plain"], "step_s_spec": step_s["adaptive"], "step_s_frozen": step_s["frozen"],
+           "step_s_trl": trl["step_s"] if trl else None,
+           "speedup_vs_plain": step_s["plain"] / step_s["adaptive"],
+           "speedup_frozen_vs_plain": step_s["plain"] / step_s["frozen"],
+           "speedup_vs_trl": trl["step_s"] / step_s["adaptive"] if trl else None,
+           "accept_len_adaptive": runs["adaptive"]["eval"]["accept_len"],
+           "accept_len_frozen": runs["frozen"]["eval"]["accept_len"],
+           "accept_len_what": "held-out greedy accept length at batch 1 after the last step (Pipeline.evaluate)",
+           "rollout_accept_len_last_adaptive": a[-1]["accept_len"],
+           "rollout_accept_len_last_frozen": runs["frozen"]["steps"][-1]["accept_len"],
+           "drafter_overhead_share": sum(s["update_drafter_s"] for s in a) / sum(s["step_s"] for s in a),
+           "drafter_sync_share": sum(s["sync_s"] for s in a) / sum(s["step_s"] for s in a),
+           "same_warmstart_drafter": tlt["same_warmstart_drafter"],
+           "same_prompts": all(runs[m]["steps"][i]["prompts"] == a[i]["prompts"] for m in runs for i in range(steps)),
+           "greedy_eval_identical": bool(runs["adaptive"]["greedy_identical"] and runs["frozen"]["greedy_identical"]),
+           **parity(runs["plain"]["steps"], a),
+           "curves": {m: {k: curve(m, k) for k in ("step_s", "rollout_s", "update_policy_s", "update_drafter_s",
+                                                    "reward_mean", "accept_len", "spec_enabled_share", "tail_share",
+                                                    "response_length_mean", "drafter_spot_steps")} for m in runs},
+           "eval": {m: runs[m]["eval"] for m in runs}, "trl": trl}
+    return res
+
+
+def print_table(res: dict) -> None:
+    c = res["curves"]
+    print(f"\n{'run':>8} {'step s':>8} {'rollout s':>10} {'policy s':>9} {'drafter s':>10} {'accept':>7} "
+          f"{'eval acc':>9}  reward/mean per step")
+    for m in ("plain", "adaptive", "frozen"):
+        mean = lambda k: mean_excluding_first(c[m][k])  # noqa: E731
+        acc = res["eval"][m].get("accept_len") or 0.0
+        print(f"{m:>8} {mean('step_s'):>8.1f} {mean('rollout_s'):>10.1f} {mean('update_policy_s'):>9.1f} "
+              f"{mean('update_drafter_s'):>10.2f} {acc:>7.2f} {res['eval'][m]['accuracy']:>9.3f}  "
+              + " ".join(f"{r:.3f}" for r in c[m]["reward_mean"]))
+    if res["trl"]:
+        t = res["trl"]
+        print(f"{'trl':>8} {t['step_s']:>8.1f} {'':>10} {'':>9} {'':>10} {'':>7} {'':>9}  "
+              + " ".join(f"{r:.3f}" for r in t["reward_mean"]))
+    trl = f", vs TRL x{res['speedup_vs_trl']:.2f}" if res["trl"] else ""
+    print(f"\nmeans over steps 1..N-1 ({res['excluded_from_means']} excluded); speedup adaptive vs plain "
+          f"x{res['speedup_vs_plain']:.2f}, frozen vs plain x{res['speedup_frozen_vs_plain']:.2f}{trl}")
+    print(f"drafter overhead share {res['drafter_overhead_share']:.3f} (sync {res['drafter_sync_share']:.3f}); "
+          f"same warm-start drafter {res['same_warmstart_drafter']}; greedy eval identical {res['greedy_eval_identical']}")
+    print(f"reward curves match: {res['reward_curves_match']} (p = {res['parity_p_value']:.3f}, "
+          f"{res['parity_n_pairs']} pairs, mean diff {res['parity_mean_diff']:+.3f}); {res['parity_test']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer run")
+    ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-rl-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        tlt = run_tlt(args.config, args.overrides, args.steps, out_dir)
+        trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
+        res = summarize(tlt, trl, args.steps)
+        res["command"] = " ".join(["python bench/rl_step.py", *(argv if argv is not None else sys.argv[1:])])
+    finally:
+        if args.out_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    print_table(res)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
