@@ -73,7 +73,8 @@ def main(path: str) -> None:
         beta=a["beta"], epsilon=a["epsilon"], epsilon_high=a["epsilon_high"], loss_type="dapo",
         scale_rewards="group", num_iterations=1, shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False,
         fp16=False, seed=a["seed"], logging_steps=1, save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True)
+        dataloader_num_workers=0, disable_tqdm=True,
+        gradient_checkpointing=False)  # TRL defaults it on; tlt does not recompute activations
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=last_number_reward, args=cfg, train_dataset=data,
                           processing_class=tok, callbacks=[timer])

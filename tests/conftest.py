@@ -29,3 +29,14 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is ~20x faster than two on a shared, loaded 2-core box."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

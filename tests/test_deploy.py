@@ -1,7 +1,6 @@
 """Deployments end to end: a real local Prefect server, `tlt serve`, a run triggered through the
 API (as the UI's Run button does), MLflow holding its metrics, and the retrain schedule."""
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tlt.config import load_config
-from tlt.services import wait_http
+from tlt.services import stop, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -22,15 +21,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _stop(proc):
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +38,9 @@ def server(tmp_path_factory):
         serve = subprocess.Popen([str(BIN / "tlt"), "serve", "conf/smoke.yaml", *sets], cwd=ROOT, env=env,
                                  stdout=open(tmp / "serve.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
         yield {"env": env, "tmp": tmp, "api": env["PREFECT_API_URL"], "serve": serve}
-        _stop(serve)
+        stop(serve)
     finally:
-        _stop(srv)
+        stop(srv)
 
 
 def _deployments(api):

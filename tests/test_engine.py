@@ -15,13 +15,7 @@ CHAIN = SpecStrategy(depth=4, topk=1, tokens=4)
 TREE = SpecStrategy(depth=4, topk=3, tokens=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is ~20x faster than two on a shared, loaded 2-core box."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompts(n, vocab, seed, lo=3, hi=14):

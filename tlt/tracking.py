@@ -91,14 +91,15 @@ class MlflowTracker(NullTracker):
         resumed = run_id is not None
         if run_id is None:
             run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
-        else:
-            self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
         root = Path(spool_dir or os.environ.get("TLT_MLFLOW_SPOOL_DIR") or DEFAULT_DIR / "spool").resolve()
         self.spool = root / f"{run_id}.jsonl"
         self._offline_until = 0.0
-        self._flush()  # what an earlier process of this run could not send
-        self._logged = self._logged_pairs() if resumed else set()
+        self._logged: set[tuple[str, int]] = set()
+        if resumed:
+            self._flush()  # what an earlier process of this run could not send (its final status too)
+            self.client.update_run(run_id, status="RUNNING")
+            self._logged = self._logged_pairs()
         self._monitor = None
         if system_metrics:
             self._start_system_metrics()

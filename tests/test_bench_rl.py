@@ -1,0 +1,85 @@
+"""bench/rl_step.py: its statistics and TRL plumbing as pure functions, and one 2-step run of the
+three tlt RL loops on conf/smoke.yaml with TRL skipped. No timing assertions (shared machines)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_rl_step", ROOT / "bench" / "rl_step.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load_bench()
+
+
+def _record(rewards, group_size=4):
+    return {"rewards": rewards, "group_index": [i // group_size for i in range(len(rewards))]}
+
+
+def test_parity_identical_curves_match():
+    steps = [_record([1, 0, 0, 1, 0, 0, 0, 1]), _record([0, 1, 1, 1, 0, 0, 0, 0])]
+    out = bench.parity(steps, steps)
+    assert out["reward_curves_match"] and out["parity_p_value"] == 1.0
+    assert out["parity_n_pairs"] == 4 and out["parity_mean_diff"] == 0.0
+
+
+def test_parity_detects_a_shifted_curve():
+    plain = [_record([0.0] * 16) for _ in range(3)]
+    spec = [_record([1.0] * 16) for _ in range(3)]
+    out = bench.parity(plain, spec)
+    assert not out["reward_curves_match"] and out["parity_p_value"] < bench.ALPHA
+    assert not out["welch_all_steps_match"]
+
+
+def test_group_means_by_group_index():
+    assert bench.group_means([1, 0, 1, 1], [0, 0, 1, 1]).tolist() == [0.5, 1.0]
+
+
+def test_trl_batching_consumes_one_tlt_step():
+    assert bench.trl_batching(8, 4, 8) == (8, 4)  # 32 completions = 8 per micro-batch x 4
+    for prompts, g, micro in [(4, 2, 8), (3, 4, 8), (5, 3, 4)]:
+        per_device, accum = bench.trl_batching(prompts, g, micro)
+        assert per_device * accum == prompts * g and per_device <= micro
+
+
+def test_trl_prompts_follow_tlt_sampler_and_template(tmp_path):
+    from tlt.config import load_config
+    from tlt.data import render_prompt
+    from tlt.models import load_tokenizer
+    from tlt.pipeline import Pipeline
+
+    cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp_path}"])
+    pipe = Pipeline(cfg)
+    pipe.validate_data()
+    per_step = bench.write_trl_prompts(pipe.dataset.train, cfg, 2, tmp_path / "p.jsonl")
+    lines = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * cfg.rollout.prompts_per_step == sum(map(len, per_step))
+    tok = load_tokenizer(cfg.model)
+    assert lines[0]["prompt"] == render_prompt(tok, per_step[0][0], cfg.data.instruction, cfg.data.system_prompt)
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_two_steps(tmp_path):
+    out_json = tmp_path / "bench.json"
+    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", "2", "--no-trl", "--json", str(out_json),
+                      "--out-dir", str(tmp_path / "runs")])
+    saved = json.loads(out_json.read_text())
+    for key in ("step_s_plain", "step_s_spec", "step_s_frozen", "step_s_trl", "speedup_vs_plain", "speedup_vs_trl",
+                "accept_len_adaptive", "accept_len_frozen", "drafter_overhead_share", "reward_curves_match",
+                "parity_test", "curves"):
+        assert key in saved, key
+    assert saved["step_s_trl"] is None and saved["trl"] is None
+    assert 0.0 <= res["drafter_overhead_share"] <= 1.0
+    assert res["same_warmstart_drafter"] and res["same_prompts"]
+    assert res["greedy_eval_identical"]  # greedy SD is exactly lossless
+    assert isinstance(res["reward_curves_match"], bool)
+    for mode in ("plain", "adaptive", "frozen"):
+        assert len(res["curves"][mode]["reward_mean"]) == 2
+    assert res["curves"]["plain"]["accept_len"] == [None, None]  # no SD in the plain run
