@@ -26,7 +26,6 @@ from safetensors.torch import load_file
 
 from cli_runs import ROOT, TLT, cli_env, prefect_api_url, run_tlt
 
-pytestmark = pytest.mark.slow
 
 STEPS = 3
 ARGS = ["run", "conf/smoke.yaml", "--set", f"rl.steps={STEPS}", "--set", "rollout.tuner=false",
@@ -70,6 +69,7 @@ def _expect_kill(proc: subprocess.CompletedProcess, what: str) -> None:
     assert proc.returncode == -9, f"{what}: expected SIGKILL, got rc {proc.returncode}\n{proc.stdout[-3000:]}"
 
 
+@pytest.mark.slow
 def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     api = prefect_api_url()
     ref_dir, dir_ = tmp_path / "ref", tmp_path / "crash"
@@ -133,3 +133,37 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     saved = json.loads((ckpts / "step-000000" / "state.json").read_text())["metrics"]
     logged = {m.step: m.value for m in client.get_metric_history(run_id, "reward/mean")}
     assert logged[1] == saved["reward/mean"]
+
+
+def test_buffer_state_round_trip(tmp_path):
+    """Buffer contents (order, dtypes, counters) survive a checkpoint; the packed batches match."""
+    from tlt.checkpoint import load_checkpoint, save_checkpoint
+    from tlt.drafter.buffer import DraftBuffer
+
+    torch.manual_seed(0)
+    buf = DraftBuffer(max_steps=2, max_tokens=40)
+    for step in range(3):
+        for n in (5, 9):
+            ids = torch.randint(0, 50, (n,))
+            buf.add(step, ids, torch.randn(n, 12), torch.randn(n, 4), torch.rand(n) > 0.3)
+    tensors, meta = buf.state_dict()
+    path = save_checkpoint(tmp_path, 0, {"buffer": tensors}, {"buffer_state": meta})
+    loaded, state, _ = load_checkpoint(path)
+    again = DraftBuffer(max_steps=2, max_tokens=40)
+    again.load_state_dict(loaded["buffer"], state["buffer_state"])
+    assert again.metadata() == buf.metadata()
+    a, b = buf.batches(64, 7), again.batches(64, 7)
+    assert len(a) == len(b) and all(torch.equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+
+
+def test_faults_are_a_no_op_unless_named(monkeypatch):
+    from tlt.faults import InjectedFault, fault
+
+    monkeypatch.delenv("TLT_FAULT", raising=False)
+    fault("update", 1)
+    monkeypatch.setenv("TLT_FAULT", "update:2:raise")
+    fault("update", 1)
+    fault("rollout", 2)
+    with pytest.raises(InjectedFault):
+        fault("update", 2)
+    fault("update", 2)  # once per process: a retry gets past it

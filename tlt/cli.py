@@ -6,6 +6,7 @@ validate` start fast and the library keeps no dependency on the orchestrator.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -101,8 +102,25 @@ def run(config: Path, set_: Optional[list[str]] = SetOpt,
     cfg = _load(config, set_)
     _env_defaults()
     train = importlib.import_module("flows.train")
+    _no_user_error_tracebacks()
     result = train.tlt_train(config=cfg, resume=resume)
     out.print(f"done: MLflow run {result['run_id']}  (make ui, then open the experiment '{cfg.tracking.experiment}')")
+
+
+class _UserErrorFilter(logging.Filter):
+    """Prefect logs a failed task or flow with its traceback; for a UserError the message is the
+    whole story (main() prints it once more, last, and exits 2)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _no_user_error_tracebacks() -> None:
+    loggers = [logging.getLogger()] + [v for v in logging.root.manager.loggerDict.values() if isinstance(v, logging.Logger)]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        handler.addFilter(_UserErrorFilter())
 
 
 @drafter_app.command("warmstart")
@@ -119,11 +137,13 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
 
 @bench_app.command("rollout")
 def bench_rollout(config: Path, json_out: Optional[Path] = typer.Option(None, "--json"),
-                  set_: Optional[list[str]] = SetOpt) -> None:
+                  set_: Optional[list[str]] = SetOpt,
+                  drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 export dir (default: n-gram drafter)")) -> None:
     """Engine with vs without SD vs HF generate; prints a table, writes JSON."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     bench = importlib.import_module("bench.rollout")
-    bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *sum((["--set", s] for s in set_ or []), [])])
+    bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *(["--drafter", str(drafter)] if drafter else []),
+                *sum((["--set", s] for s in set_ or []), [])])
 
 
 @app.command("export")

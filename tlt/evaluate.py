@@ -6,6 +6,7 @@ from typing import Callable
 
 import pandas as pd
 
+from tlt.rl.rewards import checked_rewards
 from tlt.summaries import EvalSummary
 
 GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
@@ -24,7 +25,8 @@ def evaluate(heldout: pd.DataFrame, prompt_ids: list[list[int]], generate: Gener
     for i in range(0, len(prompt_ids), batch_size):
         responses += generate(prompt_ids[i:i + batch_size], max_new_tokens)
     texts = [decode(r) for r in responses]
-    rewards = reward_fn(texts, list(heldout["answer"]), tasks=list(heldout["task"]), metas=list(heldout["meta"]))
+    rewards = checked_rewards(reward_fn, texts, list(heldout["answer"]), tasks=list(heldout["task"]),
+                              metas=list(heldout["meta"]))  # a user function's failure is a RewardError
     records = [{"id": i, "prompt": p, "answer": a, "response": t, "reward": r}
                for i, p, a, t, r in zip(heldout["id"], heldout["prompt"], heldout["answer"], texts, rewards)]
     n = max(len(rewards), 1)

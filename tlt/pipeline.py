@@ -76,6 +76,8 @@ class Pipeline:
         train_path, heldout_path = self.run_dir / "train.parquet", self.run_dir / "heldout.parquet"
         ds.train.to_parquet(train_path)
         ds.heldout.to_parquet(heldout_path)
+        self._probe_reward(ds.train.head(4))
+        self._check_export_dir()
         n_dropped = len(ds.dropped) if ds.dropped is not None else 0
         if n_dropped:
             self.tracker.log_text(ds.report.format(), "data/dropped_rows.txt")
@@ -85,6 +87,27 @@ class Pipeline:
         return DataSummary(n_rows=ds.report.n_rows, n_train=len(ds.train), n_heldout=len(ds.heldout),
                            n_dropped=n_dropped, tasks={str(k): int(v) for k, v in tasks.items()},
                            train_path=str(train_path), heldout_path=str(heldout_path))
+
+    def _probe_reward(self, rows) -> None:
+        """Fail in seconds, not after warm-start: a user reward function that raises or returns
+        NaN on the gold answers themselves raises RewardError here."""
+        from tlt.rl.rewards import BUILTIN, checked_rewards, get_reward_fn
+
+        if self.cfg.rl.reward not in BUILTIN:
+            answers = [str(a) for a in rows["answer"]]
+            checked_rewards(get_reward_fn(self.cfg.rl.reward), answers, answers, tasks=list(rows["task"]),
+                            metas=list(rows["meta"]))
+
+    def _check_export_dir(self) -> None:
+        """Refuse a non-empty export.out_dir now rather than after training (export never overwrites it)."""
+        from tlt.export import ExportError
+
+        e = self.cfg.export
+        out = Path(e.out_dir) if e.enabled and e.out_dir else None
+        if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ExportError(f"export.out_dir '{out}' exists and is not empty; the run would fail at its export "
+                              "after training. Choose an empty or new directory, or remove it (`tlt export --force` "
+                              "replaces a directory from a finished run's checkpoint).")
 
     def prompt_ids(self, prompts) -> list[list[int]]:
         from tlt.data import prompt_ids
