@@ -41,6 +41,12 @@ class DraftBuffer:
         self.latest_step = step if self.latest_step is None else max(self.latest_step, int(step))
         self._evict()
 
+    def add_rows(self, step: int, ids: Tensor, attn: Tensor, resp: Tensor, aux: Tensor, last_hidden: Tensor) -> None:
+        """Rows of the RL step's old-log-prob forward ([B,T,...], right padded) -> one sample each."""
+        for i in range(ids.shape[0]):
+            n = int(attn[i].sum())
+            self.add(step, ids[i, :n], aux[i, :n], last_hidden[i, :n], resp[i, :n])
+
     def _evict(self) -> None:
         oldest_kept = self.latest_step - self.max_steps + 1
         kept = deque(item for item in self._items if item[0] >= oldest_kept)

@@ -95,9 +95,7 @@ class SpotTrainer:
 
     def add_rollouts(self, step: int, ids, attn, resp, aux, last_hidden) -> None:
         """Rows of the old-log-prob forward [B,T,...] (right padded) -> buffer samples."""
-        for i in range(ids.shape[0]):
-            n = int(attn[i].sum())
-            self.buffer.add(step, ids[i, :n], aux[i, :n], last_hidden[i, :n], resp[i, :n])
+        self.buffer.add_rows(step, ids, attn, resp, aux, last_hidden)
 
     def sync_policy(self) -> None:
         """Copy the (updated) target embedding / head into the shared tensors the worker reads."""
