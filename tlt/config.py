@@ -68,6 +68,8 @@ class DrafterConfig(Stage):
     feature_target: Literal["fused", "final"] = Field(
         "fused", description="Feature-loss target of the fed-back h: the next position's fused aux "
         "(what h replaces when drafting) or, TLT/EAGLE-1 style, the target's final hidden (on norm(h))")
+    train_on_prompt: bool = Field(True, description="Also learn the target's next-token distribution on prompt "
+                                  "positions (packed batches compute them anyway: more data at no cost)")
     warmstart_prompts: int = Field(64, ge=1, description="Training prompts used for warm-start responses")
     warmstart_max_new_tokens: int = Field(64, ge=1, description="Length of warm-start responses")
     warmstart_epochs: int = Field(8, ge=1, description="Passes over the warm-start data")

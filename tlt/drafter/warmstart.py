@@ -64,6 +64,8 @@ def warmstart(model, drafter, engine, train_prompts: list[list[int]], heldout_pr
         return summary, DrafterTrainer(drafter, cfg.drafter, head)
     before = _accept(engine, evalp, cfg, 0.0)
     seqs, plens = _responses(engine, prompts, cfg)
+    if cfg.drafter.train_on_prompt:  # every position after the first is a training position
+        plens = [1] * len(seqs)
     samples = collect_samples(model, seqs, plens, drafter.aux_layer_ids)
     if drafter.draft_vocab_size < drafter.vocab_size:
         drafter.set_vocab(count_tokens(samples, drafter.vocab_size))

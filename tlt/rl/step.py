@@ -112,7 +112,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         # Scored at temperature 1, the same as the update's forward, so the first ratio is exactly 1.
         fo = forward_logprobs(ctx.model, ids, attn, resp, aux_layer_ids=aux_ids, position_ids=pos)
     if ctx.refresher:  # TLT: the drafter's training data comes from this forward, no extra pass
-        ctx.refresher.add_rollouts(step, ids, attn, resp, fo.aux, fo.last_hidden)
+        mask = attn.bool() if cfg.drafter.train_on_prompt else resp
+        ctx.refresher.add_rollouts(step, ids, attn, mask, fo.aux, fo.last_hidden)
     if keep.any():
         with timer("update_policy"):
             fault("update", step)
