@@ -57,31 +57,14 @@ def mode_config(config: str | None, overrides: list[str], mode: str, steps: int,
     return load_config(config, list(overrides) + MODES[mode] + extra)
 
 
-def warmstart_cache(pipe) -> Path:
-    """The warm-start cache entry that `Pipeline.warmstart` reads (tlt/drafter/warmstart.py)."""
-    from tlt.drafter.warmstart import fingerprint
-
-    d = pipe.cfg.drafter
-    prompts = pipe.prompt_ids(pipe.dataset.train["prompt"][: d.warmstart_prompts])
-    return Path(pipe.cfg.model.cache_dir).parent / "drafters" / fingerprint(pipe.model, prompts, d, pipe.cfg.rollout)
-
-
 def shared_warmstart(pipes: dict) -> bool:
-    """Warm-start adaptive, then the others from the same drafter; True if all drafters are equal.
-
-    The cache key hashes the whole drafter and rollout config, so spot / refresh_every / spec give
-    each run its own key although the warm-start ignores them: the adaptive entry is copied to the
-    others' keys (no second training), then the tensors are compared (and copied on a mismatch).
-    """
+    """Warm-start adaptive, then the others (a cache hit: the key hashes only warm-start inputs);
+    True if all drafters are equal (they are re-synced from adaptive's on a mismatch)."""
     src = pipes["adaptive"]
     src.warmstart()
     for name, p in pipes.items():
-        if name == "adaptive":
-            continue
-        dst = warmstart_cache(p)
-        if not (dst / "summary.json").exists():
-            shutil.copytree(warmstart_cache(src), dst, dirs_exist_ok=True)
-        p.warmstart()
+        if name != "adaptive":
+            p.warmstart()
     ref = src.drafter.state_dict()
     same = True
     for name, p in pipes.items():

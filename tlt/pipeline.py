@@ -226,7 +226,7 @@ class Pipeline:
         self.tracker.log_metrics({"warmstart/accept_len_before": summary.accept_len_before,
                                   "warmstart/accept_len_after": summary.accept_len_after,
                                   "warmstart/accept_len_after_t1": summary.accept_len_after_t1 or 0.0,
-                                  "warmstart/tokens": summary.n_tokens, "timing_s/warmstart": summary.time_s}, step=0)
+                                  "warmstart/train_tokens": summary.n_tokens, "timing_s/warmstart": summary.time_s}, step=0)
         return summary
 
     def _load_champion_drafter(self) -> WarmstartSummary:

@@ -21,16 +21,28 @@ from tlt.rollout.engine import accept_length
 from tlt.summaries import WarmstartSummary
 
 
-def fingerprint(model, prompts: list[list[int]], *configs) -> str:
-    """Hash of the target's weights (a strided sample of every tensor), the prompts and configs."""
+# The inputs a warm-start reads: runs that differ only elsewhere (spot, refresh, SD) share a cache entry.
+_DRAFTER_KEYS = {"variant", "draft_vocab_size", "aux_layer_ids", "lr", "weight_decay", "grad_clip",
+                 "loss_feature_weight", "loss_token_weight", "ttt_steps", "feature_target", "train_on_prompt",
+                 "warmstart_prompts", "warmstart_max_new_tokens", "warmstart_epochs", "batch_tokens"}
+
+
+def cache_key(model, prompts: list[list[int]], cfg) -> str:
+    inputs = {"drafter": cfg.drafter.model_dump(include=_DRAFTER_KEYS), "temperature": cfg.rollout.temperature,
+              "top_p": cfg.rollout.top_p, "seed": cfg.rl.seed, "eval_max_new_tokens": cfg.eval.max_new_tokens}
+    return fingerprint(model, prompts, json.dumps(inputs, sort_keys=True))
+
+
+def fingerprint(model, prompts: list[list[int]], *texts: str) -> str:
+    """Hash of the target's weights (a strided sample of every tensor), the prompts and texts."""
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         flat = t.detach().reshape(-1)
         h.update(name.encode())
         h.update(flat[:: max(1, flat.numel() // 64)].float().numpy().tobytes())
     h.update(json.dumps(prompts).encode())
-    for c in configs:
-        h.update(c.model_dump_json().encode())
+    for t in texts:
+        h.update(t.encode())
     return h.hexdigest()[:16]
 
 
@@ -55,13 +67,16 @@ def warmstart(model, drafter, engine, train_prompts: list[list[int]], heldout_pr
     prompts = train_prompts[: cfg.drafter.warmstart_prompts]
     evalp = heldout_prompts[: cfg.drafter.warmstart_eval_prompts]
     head = model.get_output_embeddings().weight
-    key = fingerprint(model, prompts, cfg.drafter, cfg.rollout)
+    key = cache_key(model, prompts, cfg)
     cache = Path(cache_root) / key
     if (cache / "summary.json").exists():
         drafter.load_state_dict(load_file(cache / "drafter.safetensors"), strict=True)
         summary = WarmstartSummary.model_validate_json((cache / "summary.json").read_text())
         summary = summary.model_copy(update={"cached": True, "time_s": time.perf_counter() - t0})
-        return summary, DrafterTrainer(drafter, cfg.drafter, head)
+        trainer = DrafterTrainer(drafter, cfg.drafter, head)
+        if (cache / "optimizer.pt").exists():  # same optimizer state as on a miss
+            trainer.opt.load_state_dict(torch.load(cache / "optimizer.pt", weights_only=True))
+        return summary, trainer
     before = _accept(engine, evalp, cfg, 0.0)
     seqs, plens = _responses(engine, prompts, cfg)
     if cfg.drafter.train_on_prompt:  # every position after the first is a training position
@@ -82,5 +97,6 @@ def warmstart(model, drafter, engine, train_prompts: list[list[int]], heldout_pr
         time_s=time.perf_counter() - t0, path=str(cache))
     cache.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in drafter.trainable_state_dict().items()}, cache / "drafter.safetensors")
-    (cache / "summary.json").write_text(summary.model_dump_json(indent=2))
+    torch.save(trainer.opt.state_dict(), cache / "optimizer.pt")
+    (cache / "summary.json").write_text(summary.model_dump_json(indent=2))  # written last: marks it complete
     return summary, trainer
