@@ -52,6 +52,7 @@ class Pipeline:
         self.eos_ids: list[int] = []
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
+        self.eval_accept_len: dict[int, float] = {}  # step -> held-out accept length
         self.champion: dict | None = None  # retrain: the registry's champion drafter version
         self.last_checkpoint: Path | None = None
 
@@ -177,7 +178,7 @@ class Pipeline:
                    "timing_s/eval": summary.time_s}
         if self.drafter is not None and self.refresher is not None:
             summary.accept_len = self.heldout_accept_len()
-            metrics["eval/accept_len"] = summary.accept_len
+            metrics["eval/accept_len"] = self.eval_accept_len[step] = summary.accept_len
         self.tracker.log_metrics(metrics, step=step)
         self.evals.append((step, summary.accuracy))
         self.tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
@@ -320,7 +321,10 @@ class Pipeline:
         from tlt.export import export_eagle3
 
         t0 = time.perf_counter()
-        accept_len = self.heldout_accept_len()
+        # The final evaluation measured the same weights already; measure only if it did not run.
+        accept_len = self.eval_accept_len.get(self.cfg.rl.steps)
+        if accept_len is None:
+            accept_len = self.heldout_accept_len()
         e = self.cfg.export
         out = Path(e.out_dir) if e.out_dir else self.run_dir / "drafter_export"
         export_eagle3(self.drafter, self.model.config, out, force=e.out_dir is None)
