@@ -87,7 +87,8 @@ def batch_row(eng_plain, eng_spec, model, prompts, pad_id, eos_ids, max_new, rep
 def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
     """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
     r = cfg.rollout
-    tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=0) if r.tuner else None
+    tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=0,
+                                  plain=r.tuner_plain_arm) if r.tuner else None
     plain = RolloutEngine(model, r, eos_ids, pad_id)
     spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
     kw = dict(group_size=r.group_size, temperature=1.0, seed=0)

@@ -145,3 +145,33 @@ def test_metrics_of_a_speculative_rollout(model):
     assert 0 <= m["rollout/tail_share"] <= 1 and 0 <= m["spec/enabled_share"] <= 1
     if out.stats["spec_steps"]:
         assert m["spec/accept_len/mean"] >= 1 and "spec/accept_rate/pos_0" in m
+
+
+def test_plain_arm_of_the_tuner_is_lossless_and_tried(model):
+    from tlt.rollout.tuner import PLAIN
+
+    prompts = _prompts(6, 64, seed=10)
+    ref = _engine(model).generate(prompts, spec=False).response_ids
+    tuner = StrategyTuner(arms=[[PLAIN, CHAIN]] * 4, buckets=[1, 2, 5, 21], epsilon=0.5, seed=0)
+    out = _engine(model, tuner=tuner).generate(prompts, spec=True)
+    assert out.response_ids == ref
+    assert out.stats["tuner_plain_steps"] > 0 and out.stats["spec_steps"] > 0
+    played = sum(len(b[0]) for b in tuner.rewards)  # arm 0 = PLAIN in every bucket
+    assert played == out.stats["tuner_plain_steps"]
+    assert PLAIN.plain and not CHAIN.plain
+
+
+@pytest.mark.parametrize("patience", [0, 3, 1000])
+def test_spec_patience_delays_the_switch(model, patience):
+    """SD turns on only after `spec_patience` consecutive steps under the threshold (TLT: 10)."""
+    prompts = _prompts(1, 64, seed=11)
+    ref = _engine(model).generate(prompts, spec=False).response_ids
+    out = _engine(model, strategy=CHAIN, spec_patience=patience, eos=()).generate(prompts, spec=True)
+    assert out.response_ids == ref
+    assert out.stats["decode_steps"] == min(patience, 19)  # 20 tokens: 1 from the prefill, then 19 steps
+    assert (out.stats["spec_steps"] > 0) == (patience < 19)
+
+
+def test_plain_strategy_needs_both_zero():
+    with pytest.raises(ValueError, match="both be 0"):
+        SpecStrategy(depth=0, topk=1, tokens=4)

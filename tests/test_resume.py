@@ -7,7 +7,8 @@ One chain of runs on one MLflow run (steps 0..2, a checkpoint after every step):
   R2  --resume: SIGKILL in step 1's policy update
   R3  --resume: SIGKILL in step 1's drafter refresh
   R4  --resume: SIGKILL while checkpoint 1 is being written (its temp dir is left half written)
-  R5  --resume: from checkpoint 0 again (the half-written one is ignored), runs to the end
+  R5  --resume: from checkpoint 0 again (the half-written one is ignored, and so is a complete-looking
+      checkpoint 1 whose bytes were damaged on disk: warning + `checkpoint/corrupt_skipped`), runs to the end
 and one uninterrupted run with the same seed (in parallel with R1). The resumed run must end with
 bitwise the same policy and drafter weights, and hold every (metric, step) exactly once.
 Tuner off (its choices depend on wall-clock) and sequential drafter refresh (the spot trainer
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -96,10 +98,17 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
         assert _first_step(r.stdout) == 1, what  # continued after the last complete checkpoint (0)
         assert _complete(ckpts) == ["step-000000"], what
     assert list(ckpts.glob(".tmp-step-000001-*")), "the interrupted save should leave its temp dir"
+    # a complete-looking checkpoint 1 whose policy bytes were damaged on disk: skipped, not loaded
+    shutil.copytree(ckpts / "step-000000", ckpts / "step-000001")
+    damaged = ckpts / "step-000001" / "policy.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-8:] = bytes(8)
+    damaged.write_bytes(bytes(data))
 
     r5 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api), log=tmp_path / "r5.log")
     assert r5.returncode == 0, r5.stdout[-3000:]
     assert "ignoring incomplete checkpoint" in r5.stdout  # the half-written one was seen, not loaded
+    assert "skipping corrupt checkpoint" in r5.stdout and "step-000001" in r5.stdout  # the damaged one too
     assert _first_step(r5.stdout) == 1
     assert not list(ckpts.glob(".tmp-*"))
 
@@ -121,7 +130,9 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     client = MlflowClient(f"sqlite:///{dir_ / 'mlflow.db'}")
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
-    assert set(run.data.metrics) == set(MlflowClient(f"sqlite:///{ref_dir / 'mlflow.db'}").get_run(ref_id).data.metrics)
+    ref_keys = set(MlflowClient(f"sqlite:///{ref_dir / 'mlflow.db'}").get_run(ref_id).data.metrics)
+    assert set(run.data.metrics) == ref_keys | {"checkpoint/corrupt_skipped"}
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "checkpoint/corrupt_skipped")] == [(1, 1.0)]
     for key in run.data.metrics:
         steps = [m.step for m in client.get_metric_history(run_id, key)]
         assert len(steps) == len(set(steps)), (key, sorted(steps))

@@ -193,20 +193,29 @@ def verify_checkpoint(path: Path) -> None:
             raise CheckpointError(f"{path}: {name} does not match its sha256 (corrupt or modified)")
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest checkpoint under `root` that verifies; corrupt ones are skipped with a warning."""
+def newest_verified(root: Path) -> tuple[Path | None, list[Path]]:
+    """(the newest checkpoint under `root` that verifies, the newer ones skipped as corrupt).
+
+    Each skipped checkpoint gets a warning in the log; callers turn the count into a metric."""
     root = Path(root)
     if not root.is_dir():
-        return None
+        return None, []
     for p in root.glob(f"{_TMP_PREFIX}*"):
         log.warning("ignoring incomplete checkpoint %s (temp dir of an interrupted save)", p)
+    skipped = []
     for _, path in reversed(_step_dirs(root)):
         try:
             verify_checkpoint(path)
-            return path
+            return path, skipped
         except CheckpointError as err:
-            log.warning("skipping checkpoint: %s", err)
-    return None
+            log.warning("skipping corrupt checkpoint, using an older one: %s", err)
+            skipped.append(path)
+    return None, skipped
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint under `root` that verifies; corrupt ones are skipped with a warning."""
+    return newest_verified(root)[0]
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict, dict[str, Path]]:

@@ -80,15 +80,28 @@ class DrafterConfig(Stage):
     spot: bool = Field(True, description="Train the drafter in the rollout's idle tail (spot trainer process) "
                        "instead of sequentially after the policy update")
     spot_threads: int = Field(1, ge=1, description="Torch threads of the spot trainer process")
+    spot_checkpoint_every: int = Field(16, ge=0, description="The spot trainer saves its weights + optimizer every k "
+                                       "drafter steps (async; a preempted worker loses at most k steps; 0 = only "
+                                       "at the end of each tail)")
     refresh_below_accept_len: float | None = Field(None, description="Also refresh when held-out accept length drops below this")
     buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
     buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
 
 
 class SpecStrategy(Stage):
-    depth: int = Field(4, ge=1, le=16, description="Draft steps per round")
+    depth: int = Field(4, ge=0, le=16, description="Draft steps per round (0 = plain decoding, no draft)")
     topk: int = Field(1, ge=1, le=8, description="Branching of the draft tree (1 = chain)")
-    tokens: int = Field(4, ge=1, le=64, description="Draft tokens verified per round")
+    tokens: int = Field(4, ge=0, le=64, description="Draft tokens verified per round (0 with depth 0)")
+
+    @model_validator(mode="after")
+    def _plain_is_both_zero(self):
+        if (self.depth == 0) != (self.tokens == 0):
+            raise ValueError("depth and tokens must both be 0 (plain decoding) or both >= 1")
+        return self
+
+    @property
+    def plain(self) -> bool:
+        return self.depth == 0
 
 
 class RolloutConfig(Stage):
@@ -100,11 +113,15 @@ class RolloutConfig(Stage):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling")
     spec: bool = Field(True, description="Use speculative decoding")
     spec_threshold: int = Field(8, ge=0, description="SD on when running sequences <= this")
+    spec_patience: int = Field(0, ge=0, description="SD switches on only after this many consecutive decode steps "
+                               "at or under spec_threshold (TLT uses 10 on GPUs; 0 = at once)")
     drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")
     strategy: SpecStrategy = Field(default_factory=SpecStrategy, description="Strategy when the tuner is off")
     tuner: bool = Field(True, description="Pick the strategy per batch bucket with the bandit")
     tuner_epsilon: float = Field(0.1, ge=0, le=1, description="Exploration rate of the bandit")
     tuner_buckets: list[int] = Field(default_factory=lambda: [1, 2, 5, 21], description="Lower bounds of batch-size buckets")
+    tuner_plain_arm: bool = Field(True, description="The bandit may also choose plain decoding in a bucket (SD off "
+                                  "where drafting does not pay for itself)")
 
 
 class RLConfig(Stage):

@@ -4,7 +4,8 @@
 step 2 reaches its policy update (no cleanup, no atexit: what a crash or an OOM kill looks like);
 `update:1:raise` raises `InjectedFault` there once per process instead (a retried flow then gets
 past it). Points: rollout, update, refresh, checkpoint (inside a save, before the atomic rename),
-checkpointed (after the save, before the step's metrics are logged).
+checkpointed (after the save, before the step's metrics are logged), spot (in the spot trainer's
+worker process, after drafter step <step>: kills the worker only, a preemption).
 """
 from __future__ import annotations
 

@@ -154,7 +154,8 @@ class Pipeline:
 
         r = self.cfg.rollout
         self.drafter = build_drafter(self.model, self.cfg.drafter) if r.drafter == "eagle" else None
-        tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=self.cfg.rl.seed) if r.tuner else None
+        tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=self.cfg.rl.seed,
+                                      plain=r.tuner_plain_arm) if r.tuner else None
         self.engine = RolloutEngine(self.model, r, self.eos_ids, self.tokenizer.pad_token_id,
                                     drafter=self.drafter, tuner=tuner)
 
@@ -253,7 +254,8 @@ class Pipeline:
         d = self.cfg.drafter
         if not d.spot:
             return DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
-        spot = SpotTrainer(self.model, self.drafter, d, threads=d.spot_threads, seed=self.cfg.rl.seed)
+        spot = SpotTrainer(self.model, self.drafter, d, threads=d.spot_threads, seed=self.cfg.rl.seed,
+                           checkpoint_dir=self.run_dir / "drafter_checkpoints")
         spot.load(self.drafter.trainable_state_dict(), {"optimizer": trainer.opt.state_dict(),
                                                         "num_steps": trainer.num_steps})
         return spot
@@ -293,6 +295,9 @@ class Pipeline:
         logged = checkpoint_metrics(state)
         if logged:  # a crash between the save and the log: the tracker skips (key, step)s the run has
             self.tracker.log_metrics(logged[1], step=logged[0])
+        if state is not None and state["corrupt_skipped"]:  # newer checkpoints failed their checksums
+            self.tracker.log_metrics({"checkpoint/corrupt_skipped": float(len(state["corrupt_skipped"]))},
+                                     step=state["step"] + 1)
         return 0 if state is None else state["step"] + 1
 
     def rl_step(self, step: int) -> StepSummary:

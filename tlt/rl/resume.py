@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tlt.checkpoint import (capture_rng, latest_checkpoint, load_checkpoint, load_pt, restore_rng, save_checkpoint,
+from tlt.checkpoint import (capture_rng, load_checkpoint, load_pt, newest_verified, restore_rng, save_checkpoint,
                             torch_blob)
 from tlt.faults import fault
 
@@ -47,11 +47,15 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
 
 
 def restore_run_state(ctx, root: Path) -> dict | None:
-    """Load the newest verified checkpoint under `root` into ctx; returns its state (None if none)."""
-    path = latest_checkpoint(root)
+    """Load the newest verified checkpoint under `root` into ctx; returns its state (None if none).
+
+    Newer checkpoints that fail verification are skipped (warned in the log); their names are
+    returned under `state["corrupt_skipped"]` for a metric."""
+    path, skipped = newest_verified(root)
     if path is None:
         return None
     tensors, state, pts = load_checkpoint(path)
+    state["corrupt_skipped"] = [p.name for p in skipped]
     ctx.model.load_state_dict(tensors["policy"], strict=True)
     ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
     ctx.sampler.load_state(state["sampler"])

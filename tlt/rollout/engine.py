@@ -3,8 +3,9 @@
 One `generate` call: prefill each distinct prompt once (left padding, explicit positions, a 4D
 boolean mask), replicate its cache `group_size` times, then decode. While more than
 `cfg.spec_threshold` sequences run, each step is one plain decode step for the whole batch; in
-the tail (<= threshold running) each step is a speculative round (draft, verify, accept; see
-spec.py) with the strategy chosen by the tuner per batch-size bucket (TLT §mechanisms 1 and 3).
+the tail (<= threshold running, for more than `cfg.spec_patience` consecutive steps) each step is
+a speculative round (draft, verify, accept; see spec.py) with the strategy chosen by the tuner per
+batch-size bucket (TLT §mechanisms 1 and 3), which may also be a plain step (the no-SD arm).
 Finished sequences leave the batch (their cache rows are dropped).
 """
 from __future__ import annotations
@@ -75,15 +76,16 @@ class RolloutEngine:
         outs = Outputs.empty(len(prompts) * group_size, opts["max_new"], self.device)
         st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
         self._retire(st, outs)
-        in_tail = False
+        in_tail, below = False, 0
         while st.size > 0:
             n_run = st.size
+            below = below + 1 if n_run <= cfg.spec_threshold else 0
             if not in_tail and n_run <= cfg.spec_threshold:
                 in_tail = True
                 if self.on_tail is not None:
                     self.on_tail(n_run)
             t_step = time.perf_counter()
-            if use_spec and n_run <= cfg.spec_threshold:
+            if use_spec and below > cfg.spec_patience:
                 self._spec_step(st, opts, gen, outs)
             else:
                 self._plain_step(st, opts, gen, outs)
@@ -149,7 +151,12 @@ class RolloutEngine:
         bsz = st.size
         strategy = self.tuner.choose(bsz) if self.tuner is not None else self.cfg.strategy
         t0 = time.perf_counter()
-        produced = spec_round(self, st, strategy, opts, gen, outs)
+        if strategy.plain:  # the tuner's no-SD arm: one plain step, timed like a round
+            self._plain_step(st, opts, gen, outs)
+            produced = bsz
+            outs.stats["tuner_plain_steps"] += 1
+        else:
+            produced = spec_round(self, st, strategy, opts, gen, outs)
         dt = time.perf_counter() - t0
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))

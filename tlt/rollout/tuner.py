@@ -2,7 +2,8 @@
 
 Batch sizes fall into buckets by lower bound (default 1, 2, 5, 21). Each bucket has its own arms
 (depth x topk x tokens); bigger trees for smaller batches, as in TLT's 48/32/16/8 tokens, scaled
-down for CPU. Reward of one round = tokens emitted (accept length x batch size) / round time;
+down for CPU; optionally a plain-decoding arm (`PLAIN`), so a bucket where drafting costs more
+than it saves learns to turn SD off. Reward of one round = tokens emitted (accept length x batch size) / round time;
 an arm's value is the median of its last `window` rewards. Untried arms are played first.
 """
 from __future__ import annotations
@@ -22,10 +23,14 @@ _DEFAULT_TABLE = [
 ]
 
 
-def default_arms(buckets: list[int]) -> list[list[SpecStrategy]]:
-    """Arms per bucket from `_DEFAULT_TABLE` (bucket i uses row min(i, last))."""
+PLAIN = SpecStrategy(depth=0, topk=1, tokens=0)  # the "no SD" arm: one plain decode step
+
+
+def default_arms(buckets: list[int], plain: bool = False) -> list[list[SpecStrategy]]:
+    """Arms per bucket from `_DEFAULT_TABLE` (bucket i uses row min(i, last)); `plain` adds the
+    no-SD arm to every bucket, so the bandit can switch SD off where drafting does not pay."""
     rows = [_DEFAULT_TABLE[min(i, len(_DEFAULT_TABLE) - 1)] for i in range(len(buckets))]
-    return [[SpecStrategy(depth=d, topk=k, tokens=t) for d, k, t in row] for row in rows]
+    return [[SpecStrategy(depth=d, topk=k, tokens=t) for d, k, t in row] + ([PLAIN] if plain else []) for row in rows]
 
 
 def _key(s: SpecStrategy) -> tuple[int, int, int]:
@@ -48,9 +53,10 @@ class StrategyTuner:
 
     @classmethod
     def default(cls, buckets: list[int] | None = None, epsilon: float = 0.1, seed: int = 0,
-                window: int = 300) -> "StrategyTuner":
+                window: int = 300, plain: bool = False) -> "StrategyTuner":
         """The default arms (`default_arms`) over `buckets`."""
-        return cls(None, buckets, epsilon=epsilon, seed=seed, window=window)
+        buckets = sorted(buckets or [1, 2, 5, 21])
+        return cls(default_arms(buckets, plain), buckets, epsilon=epsilon, seed=seed, window=window)
 
     def bucket_of(self, batch_size: int) -> int:
         """Index of the bucket with the largest lower bound <= batch_size (bucket 0 below the first)."""
