@@ -124,15 +124,31 @@ def _no_user_error_tracebacks() -> None:
 
 
 @drafter_app.command("warmstart")
-def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt) -> None:
+def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
+                      export: Optional[Path] = typer.Option(None, "--export", help="Also write the warm-started "
+                                                            "drafter as an EAGLE-3 directory (e.g. for bench/rollout.py "
+                                                            "--drafter, or vLLM)"),
+                      force: bool = typer.Option(False, "--force", help="Replace a non-empty --export directory")) -> None:
     """Warm-start the drafter on target responses; prints accept length before and after."""
+    from tlt.export import export_eagle3
     from tlt.pipeline import Pipeline
 
     _env_defaults()
     pipe = Pipeline(_load(config, set_))
-    pipe.prepare()
-    summary = pipe.warmstart()
-    out.print(summary.model_dump_json(indent=2))
+    try:
+        pipe.validate_data()
+        pipe.prepare()
+        if pipe.drafter is None:
+            raise UserError("drafter warmstart needs rollout.drafter: eagle (this config uses the model-free n-gram "
+                            "drafter); drop the override or set rollout.drafter=eagle")
+        summary = pipe.warmstart()
+        out.print(summary.model_dump_json(indent=2))
+        if export is not None:
+            export_eagle3(pipe.drafter, pipe.model.config, export, force=force)
+            out.print(f"exported the warm-started drafter to {export}")
+    finally:
+        if pipe.refresher is not None:
+            pipe.refresher.close()
 
 
 @bench_app.command("rollout")
