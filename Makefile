@@ -12,7 +12,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv run test test-vllm ui bench clean
+.PHONY: venv run test test-vllm test-ui ui bench clean
 
 venv: $(STAMP)
 
@@ -26,10 +26,17 @@ run: venv
 	$(BIN)/tlt run $(CONFIG)
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not vllm" tests
+	$(BIN)/python -m pytest -q -m "not vllm and not browser" tests
 
 test-vllm: venv
 	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py
+
+# The Prefect and MLflow UIs rendered in headless Chromium. Installs Debian's chromium when missing;
+# if that fails (no root, no apt) the test skips instead of failing.
+test-ui: venv
+	command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	  apt-get install -y -qq chromium >/dev/null) || echo "test-ui: could not install chromium; the browser test will skip"
+	$(BIN)/python -m pytest -q -m browser tests/test_ui_browser.py
 
 ui: venv
 	$(BIN)/tlt ui

@@ -1,46 +1,33 @@
 """Deployments end to end: a real local Prefect server, `tlt serve`, a run triggered through the
 API (as the UI's Run button does), MLflow holding its metrics, and the retrain schedule."""
-import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _services import prefect_server
 
 from tlt.config import load_config
-from tlt.services import stop, wait_http
+from tlt.services import stop
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deploy")
-    port = _free_port()
-    env = dict(os.environ, PREFECT_HOME=str(tmp / "prefect"), PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-               MLFLOW_TRACKING_URI=f"sqlite:///{tmp / 'mlflow.db'}", PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    log = open(tmp / "server.log", "wb")
-    srv = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        assert wait_http(f"http://127.0.0.1:{port}/api/health", 180), (tmp / "server.log").read_text()[-2000:]
+    with prefect_server(tmp) as prefect:
+        env = prefect["env"]
         sets = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}", "--set", "deploy.cron=*/5 * * * *"]
         serve = subprocess.Popen([str(BIN / "tlt"), "serve", "conf/smoke.yaml", *sets], cwd=ROOT, env=env,
                                  stdout=open(tmp / "serve.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        yield {"env": env, "tmp": tmp, "api": env["PREFECT_API_URL"], "serve": serve}
-        stop(serve)
-    finally:
-        stop(srv)
+        try:
+            yield {"env": env, "tmp": tmp, "api": prefect["api"], "serve": serve}
+        finally:
+            stop(serve)
 
 
 def _deployments(api):
