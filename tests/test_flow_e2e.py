@@ -1,6 +1,7 @@
 """The smoke recipe end to end: a real Prefect API and a real sqlite MLflow store.
 
-Two real runs (SD with the spot-trained drafter, and plain decoding) are made once per module
+Two real runs (SD with the spot-trained drafter and two rollout worker processes, and plain
+decoding in one process) are made once per module
 and then read back, compared, exported and evaluated.
 """
 import subprocess
@@ -25,7 +26,7 @@ def runs(prefect_api, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("MLFLOW_TRACKING_URI", uri)
     cfgs = [load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp / 'runs'}", *extra])
-            for extra in ([], ["rollout.spec=false", "name=smoke-plain"])]
+            for extra in (["rollout.workers=2"], ["rollout.spec=false", "name=smoke-plain"])]
     results = [tlt_train(config=c) for c in cfgs]
     yield {"uri": uri, "tmp": tmp, "cfgs": cfgs, "results": results}
     mp.undo()
@@ -46,7 +47,7 @@ def test_every_stage_tracked(runs):
     acc = metric_history(rid, "eval/accuracy", uri)
     assert [s for s, _ in acc] == list(range(cfg.rl.steps + 1)) and all(0 <= v <= 1 for _, v in acc)
     for key in ("reward/mean", "spec/accept_len/mean", "policy/loss", "drafter/steps", "timing_s/step",
-                "timing_s/update_drafter", "rollout/response_length/max"):
+                "timing_s/update_drafter", "rollout/response_length/max", "rollout/worker_idle_s"):
         assert [s for s, _ in metric_history(rid, key, uri)] == list(range(1, cfg.rl.steps + 1)), key
     # spot trainer: step 1's buffer is empty (one-step offset), later steps train in the tail
     spot = dict(metric_history(rid, "drafter/spot_steps", uri))

@@ -106,6 +106,9 @@ class SpecStrategy(Stage):
 
 class RolloutConfig(Stage):
     backend: Literal["torch", "vllm"] = Field("torch", description="Embedded torch engine or vLLM")
+    workers: int = Field(1, ge=1, le=64, description="Rollout worker processes (CPU): GRPO groups are sharded across "
+                         "them, each with its share of the threads, over shared-memory weights; the spot trainer "
+                         "starts when the first one finishes")
     group_size: int = Field(4, ge=1, description="Samples per prompt (GRPO group G)")
     prompts_per_step: int = Field(8, ge=1, description="Prompts per RL step")
     max_new_tokens: int = Field(64, ge=1, description="Response length limit")

@@ -56,6 +56,8 @@ def rollout_metrics(batch) -> dict[str, float]:
     out = {"rollout/time_s": time_s,
            "rollout/tokens_per_s": sum(lengths) / time_s if time_s > 0 else 0.0,
            "rollout/tail_share": stats.get("tail_time_s", 0.0) / time_s if time_s > 0 else 0.0}
+    if "worker_idle_s" in stats:  # sharded rollout (tlt.rollout.workers): worker-seconds spent waiting
+        out["rollout/worker_idle_s"] = float(stats["worker_idle_s"])
     out.update(length_metrics(lengths))
     out.update(spec_metrics(batch.drafted, batch.accepted, stats))
     return out

@@ -33,6 +33,8 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
     if pipe is not None:
         if pipe.refresher is not None:
             pipe.refresher.close()
+        if pipe.pool is not None:
+            pipe.pool.close()
         pipe.tracker.end(status)
 
 
@@ -48,7 +50,7 @@ class Pipeline:
         (self.run_dir / "config.yaml").write_text(dump_yaml(cfg))  # what `tlt export --checkpoint` rebuilds from
         torch.manual_seed(cfg.rl.seed)
         self.model = self.tokenizer = self.dataset = self.engine = self.drafter = None
-        self.refresher = self.ctx = None
+        self.refresher = self.ctx = self.pool = None
         self.eos_ids: list[int] = []
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
@@ -154,6 +156,12 @@ class Pipeline:
 
         r = self.cfg.rollout
         self.drafter = build_drafter(self.model, self.cfg.drafter) if r.drafter == "eagle" else None
+        if r.backend == "vllm":  # every stage's generation (rollout, warm-start, eval) goes through vLLM
+            from tlt.rollout.vllm_backend import VllmRolloutEngine
+
+            self.engine = VllmRolloutEngine.for_run(self.model, self.tokenizer, self.cfg, self.eos_ids, self.drafter,
+                                                    self.run_dir)
+            return
         tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=self.cfg.rl.seed,
                                       plain=r.tuner_plain_arm) if r.tuner else None
         self.engine = RolloutEngine(self.model, r, self.eos_ids, self.tokenizer.pad_token_id,
@@ -279,13 +287,24 @@ class Pipeline:
             from tlt.rl.step import StepContext
             from tlt.rl.update import make_updater
 
-            self.ctx = StepContext(cfg=self.cfg, model=self.model, tokenizer=self.tokenizer, engine=self.engine,
+            self.ctx = StepContext(cfg=self.cfg, model=self.model, tokenizer=self.tokenizer, engine=self._rollout_engine(),
                                    updater=make_updater(self.model, self.cfg),
                                    sampler=PromptSampler(self.dataset.train, seed=self.cfg.data.seed),
                                    reward_fn=get_reward_fn(self.cfg.rl.reward), encode=self.prompt_ids,
                                    refresher=self.refresher if self.cfg.drafter.refresh_every or
                                    self.cfg.drafter.refresh_below_accept_len else None)
         return self.ctx
+
+    def _rollout_engine(self):
+        """The RL steps' rollout engine: this process's engine, or `rollout.workers` worker processes."""
+        r = self.cfg.rollout
+        if r.workers <= 1:
+            return self.engine
+        from tlt.rollout.workers import WorkerPool
+
+        self.pool = WorkerPool(self.model, r, self.eos_ids, self.tokenizer.pad_token_id, r.workers,
+                               drafter=self.drafter, seed=self.cfg.rl.seed)
+        return self.pool
 
     def resume(self) -> int:
         """Restore the newest verified checkpoint of this run; returns the first step still to run."""

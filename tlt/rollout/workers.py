@@ -1,0 +1,200 @@
+"""Rollout worker processes: GRPO groups sharded across `rollout.workers` processes on one machine.
+
+Each worker runs its own `RolloutEngine` (own KV cache, own tuner, its share of the CPU threads)
+over the *same* policy and drafter tensors as the trainer: the parameters live in shared memory
+(`share_memory_()` in place, so the optimizer's in-place updates are seen by every worker with no
+copy and no disk). A backend that rebinds parameters (DeepSpeed's flat buffers) is caught by
+`sync()`, which copies only tensors whose storage moved.
+
+`generate` has the engine's signature and returns one merged `RolloutBatch` in the same
+group-major order as a single engine would. When the first worker finishes its shard while the
+others are still decoding their long tails, `on_tail` fires: the spot trainer (tlt.drafter.spot)
+starts training the drafter on the cores that worker left idle (TLT mechanism 2).
+CPU only: on GPUs use one vLLM engine per device (`rollout.backend: vllm`).
+"""
+from __future__ import annotations
+
+import queue
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+from tlt.rollout.state import RolloutBatch
+
+_SUMMED = ("prefill_s", "decode_steps", "spec_steps", "tuner_plain_steps", "spec_row_passes", "spec_tokens", "tokens")
+
+
+def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
+    """Contiguous shard sizes, as equal as possible, no empty shard (fewer workers used instead)."""
+    k = max(1, min(n_workers, n_prompts))
+    return [n_prompts // k + (1 if i < n_prompts % k else 0) for i in range(k)]
+
+
+def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idle_s: float) -> RolloutBatch:
+    """Concatenate shard batches (in shard order) into one group-major batch.
+
+    Counters add up; position and strategy counters add element-wise; `time_s` is the wall-clock
+    of the whole sharded rollout, `tail_time_s` the longest tail of any worker, `worker_idle_s` the
+    worker-seconds spent waiting for the slowest shard.
+    """
+    out = RolloutBatch([], [], [], [], [], [], [], [], stats={k: 0 for k in _SUMMED})
+    offset = 0
+    pos: dict[str, list[int]] = {"accepted_pos": [], "drafted_pos": []}
+    strategy: dict[str, dict[str, int]] = {}
+    tail = 0.0
+    for b in parts:
+        out.prompt_ids += b.prompt_ids
+        out.response_ids += b.response_ids
+        out.logprobs += b.logprobs
+        out.group_index += [g + offset for g in b.group_index]
+        out.finished_eos += b.finished_eos
+        out.drafted += b.drafted
+        out.accepted += b.accepted
+        out.target_passes += b.target_passes
+        offset += len(b.response_ids) // group_size
+        for k in _SUMMED:
+            out.stats[k] += b.stats.get(k, 0)
+        for name, acc in pos.items():
+            vals = b.stats.get(name, [])
+            acc.extend([0] * (len(vals) - len(acc)))
+            for i, v in enumerate(vals):
+                acc[i] += v
+        for bucket, arms in b.stats.get("strategy", {}).items():
+            per = strategy.setdefault(bucket, {})
+            for arm, n in arms.items():
+                per[arm] = per.get(arm, 0) + n
+        tail = max(tail, b.stats.get("tail_time_s", 0.0))
+    out.stats.update(pos, strategy=strategy, time_s=wall_s, tail_time_s=tail, worker_idle_s=idle_s,
+                     workers=len(parts))
+    return out
+
+
+def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, rollout_json: str, eos_ids, pad_id,
+            threads: int, tuner_seed: int | None, cmd, res) -> None:
+    torch.set_num_threads(threads)
+    from tlt.config import RolloutConfig
+    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.tuner import StrategyTuner
+
+    cfg = RolloutConfig.model_validate_json(rollout_json)
+    model = model_cls(model_config)  # random init once, then every tensor replaced by the shared one
+    model.load_state_dict(policy, strict=True, assign=True)
+    model.eval()
+    drafter = None
+    if drafter_args is not None:
+        from tlt.drafter.model import Eagle3Drafter
+
+        target_config, vd, aux_ids, state = drafter_args
+        drafter = Eagle3Drafter(target_config, model.get_input_embeddings().weight, vd, aux_ids)
+        drafter.load_state_dict(state, strict=True, assign=True)
+        drafter.eval()
+    tuner = (StrategyTuner.default(cfg.tuner_buckets, epsilon=cfg.tuner_epsilon, seed=tuner_seed,
+                                   plain=cfg.tuner_plain_arm) if tuner_seed is not None else None)
+    engine = RolloutEngine(model, cfg, eos_ids, pad_id, drafter=drafter, tuner=tuner)
+    res.put((rank, "ready", None))
+    while True:
+        msg = cmd.get()
+        if msg[0] == "exit":
+            return
+        prompts, kwargs = msg[1], msg[2]
+        t0 = time.perf_counter()
+        batch = engine.generate(prompts, **kwargs)
+        res.put((rank, "done", (batch, time.perf_counter() - t0)))
+
+
+class WorkerPool:
+    """`rollout.workers` engine processes over shared-memory policy/drafter weights."""
+
+    def __init__(self, model, cfg, eos_ids: list[int], pad_id: int, n_workers: int, drafter=None,
+                 seed: int = 0, threads: int | None = None):
+        if next(model.parameters()).device.type != "cpu":
+            raise ValueError("rollout.workers > 1 runs CPU worker processes; on GPUs use rollout.backend: vllm")
+        self.cfg, self.n = cfg, n_workers
+        self.tuner = None  # each worker keeps its own bandit (not part of run checkpoints)
+        self.on_tail = None
+        self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
+        model.share_memory()  # in place: the trainer's updates reach the workers with no copy
+        self._policy = dict(model.state_dict())
+        self._dstate = None
+        if self._drafter is not None:
+            self._drafter.share_memory()
+            self._dstate = dict(self._drafter.trainable_state_dict())
+        threads = threads or max(1, torch.get_num_threads() // n_workers)
+        ctx = mp.get_context("spawn")
+        self.res = ctx.Queue()
+        self.cmds, self.procs = [], []
+        dargs = None
+        if self._drafter is not None:
+            d = self._drafter
+            dargs = (model.config, d.draft_vocab_size, d.aux_layer_ids, self._dstate)
+        for rank in range(n_workers):
+            cmd = ctx.Queue()
+            p = ctx.Process(target=_worker, daemon=True, name=f"tlt-rollout-{rank}", args=(
+                rank, type(model), model.config, self._policy, dargs, cfg.model_dump_json(), list(eos_ids), pad_id,
+                threads, (seed * 1000 + rank) if cfg.tuner else None, cmd, self.res))
+            p.start()
+            self.cmds.append(cmd)
+            self.procs.append(p)
+        for _ in range(n_workers):
+            self._get(300.0)
+
+    def sync(self, model=None) -> dict[str, float]:
+        """Copy the tensors whose storage moved (a backend rebound them) into the shared ones.
+
+        The same hook as the vLLM engine's (called after each policy update); `model` is ignored:
+        the pool always syncs the model it was built on. Returns how many tensors were copied."""
+        copied = 0
+        with torch.no_grad():
+            for live, shared in ((self._model.state_dict(), self._policy),
+                                 (self._drafter.trainable_state_dict() if self._drafter is not None else {},
+                                  self._dstate or {})):
+                for k, v in live.items():
+                    if v.data_ptr() != shared[k].data_ptr():
+                        shared[k].copy_(v)
+                        copied += 1
+        return {"rollout/sync_tensors_copied": float(copied)}
+
+    def _get(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.res.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"rollout worker(s) {', '.join(dead)} ended unexpectedly") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout workers did not answer within {timeout:.0f} s") from None
+
+    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                 spec: bool | None = None) -> RolloutBatch:
+        """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`."""
+        self.sync()
+        sizes = shard_sizes(len(prompts), self.n)
+        t0, start = time.perf_counter(), 0
+        for i, size in enumerate(sizes):
+            kw = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                      seed=seed + i, spec=spec)
+            self.cmds[i].put(("generate", prompts[start:start + size], kw))
+            start += size
+        parts: dict[int, RolloutBatch] = {}
+        finished_at: dict[int, float] = {}
+        while len(parts) < len(sizes):
+            rank, _, (batch, _) = self._get(3600.0)
+            parts[rank], finished_at[rank] = batch, time.perf_counter()
+            if len(parts) == 1 and len(sizes) > 1 and self.on_tail is not None:
+                self.on_tail(len(sizes) - 1)  # a worker is idle while the others finish their tails
+        wall = time.perf_counter() - t0
+        idle = sum(t0 + wall - t for t in finished_at.values())
+        return merge_batches([parts[i] for i in range(len(sizes))], group_size, wall, idle)
+
+    def close(self) -> None:
+        for cmd, p in zip(self.cmds, self.procs):
+            if p.is_alive():
+                cmd.put(("exit",))
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
