@@ -130,6 +130,8 @@ class MlflowTracker(NullTracker):
                 self.client.log_artifacts(self.run_id, p["local"], p["path"])
             else:
                 self.client.log_artifact(self.run_id, p["local"], p["path"])
+        elif kind == "register":
+            self._register_now(p["name"], p["artifact_path"], p["tags"])
         elif kind == "terminate":
             self.client.set_terminated(self.run_id, status=p["status"])
 
@@ -251,17 +253,38 @@ class MlflowTracker(NullTracker):
         base = self.client.get_run(self.run_id).info.artifact_uri
         return f"{base}/{path}" if path else base
 
-    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str:
-        """Register an artifact folder of this run as a version of model `name`; returns the version."""
+    def _register_now(self, name: str, artifact_path: str, tags: dict[str, str]) -> str:
         from mlflow.exceptions import MlflowException
 
         try:
             self.client.create_registered_model(name)
-        except MlflowException:
-            pass  # already registered
-        mv = self.client.create_model_version(name, self.artifact_uri(artifact_path), run_id=self.run_id,
-                                              tags=tags or {})
+        except MlflowException as err:
+            if _transient(err):
+                raise
+            # otherwise: already registered
+        mv = self.client.create_model_version(name, self.artifact_uri(artifact_path), run_id=self.run_id, tags=tags)
         return str(mv.version)
+
+    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
+        """Register an artifact folder of this run as a version of model `name`; returns the version.
+
+        During an outage the registration is spooled after the artifacts it points at (sent, in
+        order, once the store is back) and None is returned: the caller cannot promote a version
+        it does not know yet, but nothing is lost."""
+        import logging
+
+        payload = {"name": name, "artifact_path": artifact_path, "tags": tags or {}}
+        if self._flush():
+            try:
+                return self._register_now(name, artifact_path, tags or {})
+            except Exception as err:  # noqa: BLE001 - only transient errors are swallowed
+                if not _transient(err):
+                    raise
+                self._went_offline(err)
+        self._spool_append("register", payload)
+        logging.getLogger(__name__).warning("MLflow store %s unreachable: the registration of model '%s' is spooled "
+                                            "and happens when the store is back", self.uri, name)
+        return None
 
     def end(self, status: str = "FINISHED") -> None:
         """Stop system metrics, send what is spooled, set the final status (spooled too when the
