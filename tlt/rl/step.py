@@ -2,7 +2,8 @@
 forward, which also feeds the drafter buffer -> policy update -> drafter refresh.
 
 The policy lives in this process and the torch engine decodes with the same module, so the
-weight sync after an update is free (no copy, no disk).
+weight sync after an update is free (no copy, no disk); an engine in another process (vLLM)
+gets the new weights from its `sync` at the end of the step.
 """
 from __future__ import annotations
 
@@ -123,6 +124,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     if ctx.refresher:  # sequential refresh (when not spot-trained)
         with timer("update_drafter"):
             metrics.update(ctx.refresher.after_update(step, metrics.get("spec/accept_len/mean")))
+    if hasattr(ctx.engine, "sync"):  # an engine outside this process (vLLM): send the new weights
+        with timer("sync"):
+            metrics.update(ctx.engine.sync(ctx.model))
     metrics.update(reward_metrics(rewards, tasks, batch.group_index))
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - t0

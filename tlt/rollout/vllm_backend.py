@@ -1,0 +1,316 @@
+"""vLLM rollout backend (`rollout.backend: vllm`): tlt's engine interface over a vLLM worker process.
+
+vLLM lives in its own venv (`.venv-vllm`, bench/vllm_venv.sh: it conflicts with prefect), so the
+engine runs in a child process, tlt/rollout/vllm_worker.py, spoken to in JSON lines. This module
+never imports vllm. What crosses over:
+  - the policy: `save_pretrained` (safetensors) + tokenizer into a work folder (under /dev/shm
+    when it has room, so weights never touch a disk), then an in-place `reload_weights`; the
+    worker rebuilds the engine instead where that would be wrong (a tied embedding that changed);
+  - the drafter: `tlt.export.export_eagle3` into the same folder; a new one rebuilds the engine;
+  - prompts and sampling options in, token ids, log-probs, finish reasons and vLLM's per-request
+    speculative counters out (turned into tlt's RolloutBatch and its stats).
+Weights are synced before every `generate` whose weights changed (parameter version counters, so
+checking costs nothing), and `sync()` does it explicitly after each policy update so that its
+cost is timed apart (`timing_s/sync`). vLLM speculates on every decode step (chain of k =
+`rollout.strategy.depth` drafts); tlt's tail switching and strategy tuner are torch-engine
+features. The tail is still announced (`on_tail`), so the spot trainer works with this backend.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import weakref
+from pathlib import Path
+
+from tlt.errors import UserError
+from tlt.rollout.state import RolloutBatch
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("vllm_worker.py")
+PYTHON_ENV = "TLT_VLLM_PYTHON"  # another interpreter with vllm installed (default: .venv-vllm)
+
+
+class VllmUnavailable(UserError):
+    """No vLLM interpreter: the message says how to build one."""
+
+
+class VllmWorkerError(RuntimeError):
+    """The vLLM worker failed a request or died; the message holds its error and log tail."""
+
+
+def vllm_python(python: str | Path | None = None) -> Path:
+    """The interpreter that runs the worker: argument, $TLT_VLLM_PYTHON, or .venv-vllm/bin/python."""
+    given = python or os.environ.get(PYTHON_ENV)
+    candidates = [Path(given)] if given else [Path.cwd() / ".venv-vllm/bin/python", ROOT / ".venv-vllm/bin/python"]
+    for path in candidates:
+        if path.exists():
+            return path
+    raise VllmUnavailable(
+        f"rollout.backend is 'vllm' but there is no vLLM interpreter at {candidates[0]}. Build the vLLM "
+        f"venv with `bash bench/vllm_venv.sh` (~3 min, 3.5 GB), point {PYTHON_ENV} at a python that has "
+        "vllm installed, or set rollout.backend=torch.")
+
+
+def fingerprint(module) -> tuple:
+    """(identity, version counter) of every parameter and buffer: changes when any of them is written
+    in place (optimizer steps, load_state_dict) or replaced; costs no pass over the data."""
+    return tuple((k, id(t), t._version) for k, t in module.state_dict(keep_vars=True).items())
+
+
+def digest(module) -> str:
+    """Hash of every parameter and buffer's bytes (for the small drafter: a load of the same weights
+    bumps version counters, which must not cost an engine rebuild)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.blake2b(digest_size=16)
+    for k, t in module.state_dict().items():
+        h.update(k.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _embedding_fingerprint(model) -> tuple:
+    mods = (model.get_input_embeddings(), model.get_output_embeddings())
+    return tuple((id(m.weight), m.weight._version) for m in mods if m is not None)
+
+
+def _work_root(run_dir: Path, need_bytes: int) -> Path:
+    """A fresh folder for weights: under /dev/shm when it has room for them, else under the run dir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need_bytes:
+        return Path(tempfile.mkdtemp(prefix="tlt-vllm-", dir=shm))
+    (run_dir / "vllm").mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="weights-", dir=run_dir / "vllm"))
+
+
+def _shutdown(proc: subprocess.Popen, work: Path, timeout: float = 60.0) -> None:
+    """Ask the worker to exit, then end its whole process group (vLLM's engine core included)."""
+    if proc.poll() is None:
+        try:
+            proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
+            proc.stdin.flush()
+            proc.wait(timeout)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)  # the worker leads its own session: only its processes
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            continue
+    for f in (proc.stdin, proc.stdout):
+        if f is not None:
+            f.close()
+    shutil.rmtree(work, ignore_errors=True)
+
+
+class VllmRolloutEngine:
+    """`generate(...) -> RolloutBatch` like `RolloutEngine`, decoded by vLLM in a worker process.
+
+    model: the HF policy (the one the RL update trains); drafter: an `Eagle3Drafter` or None.
+    Speculation: EAGLE-3 with `drafter` when cfg.spec and cfg.drafter == "eagle"; vLLM's n-gram
+    prompt lookup when cfg.drafter == "ngram"; none otherwise. Per-call `spec` cannot switch it
+    (fixed when the engine is built); vLLM's speculation is lossless either way.
+    """
+
+    def __init__(self, model, cfg, eos_ids: list[int], pad_id: int, drafter=None, *, tokenizer=None,
+                 run_dir: str | Path = "runs/vllm", max_model_len: int = 1024, max_num_seqs: int = 64,
+                 kv_cache_mib: int | None = None, seed: int = 0, python: str | Path | None = None):
+        self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
+        self.eos_ids, self.pad_id = list(eos_ids), pad_id
+        self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
+        self.method = None if not cfg.spec else ("ngram" if cfg.drafter == "ngram" else
+                                                 "eagle3" if self.drafter is not None else None)
+        self.k = cfg.strategy.depth
+        self.tuner = None  # vLLM picks no strategy per batch size
+        self.on_tail = None  # called once per generate when <= spec_threshold sequences run (spot trainer)
+        self.rebuilds = 0
+        run_dir = Path(run_dir)
+        n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
+        self.log_path = run_dir / "vllm" / "worker.log"
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        python = vllm_python(python)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, env=env, start_new_session=True)
+        self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.work)
+        self._serial = 0
+        policy_dir, drafter_dir = self._write_policy(), self._write_drafter()
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        if kv_cache_mib is None:
+            kv_cache_mib = kv_cache_budget_mib(model.config, dtype, max_model_len + self.k, max_num_seqs)
+        reply = self._rpc("init", target_dir=str(policy_dir), drafter_dir=drafter_dir and str(drafter_dir),
+                          method=self.method, k=self.k, dtype=dtype, max_model_len=max_model_len + self.k,
+                          kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, seed=seed)
+        self.start_s, self.versions = reply["start_s"], reply["versions"]
+        self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
+        self._sent = self._state()
+        self._drafter_digest = digest(self.drafter) if self.method == "eagle3" else None
+
+    @classmethod
+    def for_run(cls, model, tokenizer, cfg, eos_ids: list[int], drafter, run_dir: Path) -> "VllmRolloutEngine":
+        """Sized from a RunConfig: the longest prompt + the longest generation any stage asks for."""
+        r = cfg.rollout
+        longest = max(r.max_new_tokens, cfg.eval.max_new_tokens, cfg.drafter.warmstart_max_new_tokens)
+        return cls(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tokenizer=tokenizer, run_dir=run_dir,
+                   max_model_len=cfg.data.max_prompt_tokens + longest + 8,
+                   max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed)
+
+    # ---- weights -------------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"policy": fingerprint(self.model), "embedding": _embedding_fingerprint(self.model),
+                "drafter": fingerprint(self.drafter) if self.method == "eagle3" else None}
+
+    def _next_dir(self, kind: str) -> Path:
+        self._serial += 1
+        return self.work / f"{kind}-{self._serial:05d}"
+
+    def _write_policy(self) -> Path:
+        path = self._next_dir("policy")
+        self.model.save_pretrained(path)  # safetensors
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(path)
+        return path
+
+    def _write_drafter(self) -> Path | None:
+        if self.method != "eagle3":
+            return None
+        from tlt.export import export_eagle3
+
+        return export_eagle3(self.drafter, self.model.config, self._next_dir("drafter"))
+
+    def sync(self, model=None, drafter=None) -> dict[str, float]:
+        """Send changed policy / drafter weights to the worker; returns `rollout/vllm_*` metrics.
+
+        Policy: written anew and reloaded in place, or the engine is rebuilt when the embedding of
+        a tied model changed (the worker decides; see vllm_worker.Worker.reload). Drafter: a new
+        export and a rebuild, combined with a policy rebuild into one when both changed.
+        """
+        self.model = model if model is not None else self.model
+        self.drafter = drafter if drafter is not None else self.drafter
+        now = self._state()
+        policy, drafter_changed = now["policy"] != self._sent["policy"], now["drafter"] != self._sent["drafter"]
+        new_digest = self._drafter_digest
+        if drafter_changed:  # versions moved; a load of the same values must not cost a rebuild
+            new_digest = digest(self.drafter)
+            drafter_changed = new_digest != self._drafter_digest
+        if not (policy or drafter_changed):
+            self._sent = now
+            return {}
+        t0 = time.perf_counter()
+        old = (self._policy_dir, self._drafter_dir)
+        new_drafter = self._write_drafter() if drafter_changed else None
+        if policy:
+            self._policy_dir = self._write_policy()
+            reply = self._rpc("reload", weights_dir=str(self._policy_dir), drafter_dir=new_drafter and str(new_drafter),
+                              embedding_changed=now["embedding"] != self._sent["embedding"])
+        else:
+            reply = self._rpc("drafter", drafter_dir=str(new_drafter))
+        self._drafter_dir = new_drafter or self._drafter_dir
+        self._sent, self._drafter_digest = now, new_digest
+        self.rebuilds += reply["mode"] == "rebuild"
+        for path in old:
+            if path is not None and path not in (self._policy_dir, self._drafter_dir):
+                shutil.rmtree(path, ignore_errors=True)
+        return {"rollout/vllm_sync_s": time.perf_counter() - t0, "rollout/vllm_rebuilds": float(self.rebuilds)}
+
+    # ---- generation ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                 spec: bool | None = None) -> RolloutBatch:
+        """Sample `group_size` responses per prompt, group-major (sequence i is prompt i // group_size).
+
+        logprobs: log-probs of the sampled tokens under the raw logits at temperature 1 (vLLM's
+        raw_logprobs), as RolloutBatch defines them. `spec` is ignored (see the class doc).
+        """
+        self.sync()
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        reply = self._rpc("generate", prompts=[list(map(int, p)) for p in prompts], n=group_size,
+                          temperature=cfg.temperature if temperature is None else temperature,
+                          top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
+                          seed=seed, stop_token_ids=self.eos_ids, tail_at=cfg.spec_threshold)
+        return self._batch(prompts, group_size, reply, time.perf_counter() - t0)
+
+    def _batch(self, prompts, group_size: int, reply: dict, wall_s: float) -> RolloutBatch:
+        """Worker reply -> RolloutBatch; stats carry the keys of `Outputs.empty` that metrics read."""
+        seqs = reply["seqs"]
+        drafted, accepted, passes, spec_tokens = [], [], [], 0
+        pos = [0] * self.k
+        for s in seqs:
+            c = s["spec"] or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_pos": []}
+            # Each verify step emits accepted + 1 tokens; vLLM also counts drafts accepted past the end.
+            spec_tok = min(c["accepted"] + c["drafts"], max(len(s["ids"]) - 1, 0))
+            drafted.append(c["draft_tokens"])
+            accepted.append(c["accepted"])
+            passes.append(len(s["ids"]) - spec_tok + c["drafts"])  # prefill + plain steps + verify steps
+            spec_tokens += spec_tok
+            pos = [a + b for a, b in zip(pos, c["accepted_pos"] + [0] * (self.k - len(c["accepted_pos"])))]
+        rounds = sum((s["spec"] or {}).get("drafts", 0) for s in seqs)
+        stats = {"time_s": wall_s, "prefill_s": 0.0, "tail_time_s": reply["tail_time_s"], "decode_steps": reply["steps"],
+                 "spec_steps": reply["steps"] if rounds else 0, "tuner_plain_steps": 0, "spec_row_passes": rounds,
+                 "spec_tokens": spec_tokens, "accepted_pos": pos if rounds else [],
+                 "drafted_pos": [rounds] * self.k if rounds and self.method == "eagle3" else [], "strategy": {},
+                 "tokens": sum(len(s["ids"]) for s in seqs), "vllm": {**reply["counters"], "time_s": reply["time_s"]}}
+        return RolloutBatch(prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
+                            response_ids=[s["ids"] for s in seqs], logprobs=[s["logprobs"] for s in seqs],
+                            group_index=[i // group_size for i in range(len(seqs))],
+                            finished_eos=[s["finish"] == "stop" for s in seqs], drafted=drafted, accepted=accepted,
+                            target_passes=passes, stats=stats)
+
+    # ---- process ---------------------------------------------------------------------------
+    def _rpc(self, op: str, **request) -> dict:
+        """One request, one reply; `tail` events in between call `on_tail`."""
+        if self.proc.poll() is not None:
+            raise VllmWorkerError(f"the vLLM worker exited (rc {self.proc.returncode}); {self._log_tail()}")
+        self.proc.stdin.write(json.dumps({"op": op, **request}) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise VllmWorkerError(f"the vLLM worker died during '{op}' (rc {self.proc.wait()}); {self._log_tail()}")
+            msg = json.loads(line)
+            if msg.get("event") == "tail":
+                if self.on_tail is not None:
+                    self.on_tail(msg["running"])
+                continue
+            if not msg.get("ok"):
+                raise VllmWorkerError(f"vLLM worker '{op}' failed: {msg.get('error')}; {self._log_tail()}")
+            return msg
+
+    def _log_tail(self, n: int = 3000) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return f"log {self.log_path}, last lines:\n{text[-n:]}"
+
+    def close(self) -> None:
+        """End the worker (also done when the engine is collected or the interpreter exits)."""
+        self._finalizer()
+
+
+def kv_cache_budget_mib(config, dtype: str, max_model_len: int, max_num_seqs: int) -> int:
+    """KV cache for max_num_seqs full-length sequences (+1 layer: the EAGLE-3 drafter), capped at a
+    quarter of free memory (GPU when there is one, else RAM): past the cap vLLM queues requests."""
+    import torch
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    per_token = 2 * (config.num_hidden_layers + 1) * kv_heads * head_dim * itemsize
+    need = per_token * max_num_seqs * (max_model_len + 16)  # + one 16-token block of slack per sequence
+    if torch.cuda.is_available():
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(16, int(min(need, free // 4) // 2**20) + 1)
