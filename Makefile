@@ -29,7 +29,7 @@ test: venv
 	$(BIN)/python -m pytest -q -m "not vllm and not browser" tests
 
 test-vllm: venv
-	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py
+	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py tests/test_vllm_backend.py
 
 # The Prefect and MLflow UIs rendered in headless Chromium. Installs Debian's chromium when missing;
 # if that fails (no root, no apt) the test skips instead of failing.

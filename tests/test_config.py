@@ -71,3 +71,8 @@ def test_cli_config_check_exit_codes(tmp_path):
     assert "Traceback" not in r.stderr
     r = _cli("config", "check", "conf/smoke.yaml", "--set", "rl.steps=-1")
     assert r.returncode == 2 and "rl.steps" in r.stderr
+
+
+def test_workers_with_vllm_backend_is_refused():
+    with pytest.raises(ConfigError, match="rollout.workers: 1 with rollout.backend: vllm"):
+        load_config(ROOT / "conf" / "smoke.yaml", ["rollout.workers=2", "rollout.backend=vllm"])

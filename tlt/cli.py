@@ -95,6 +95,39 @@ def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="
     out.print(report.summary(), markup=False)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that the flow is marked crashed, the MLflow run ends,
+    worker processes stop and Prefect stops its temporary server (the default action of SIGTERM
+    would kill this process alone and leave them running)."""
+
+
+_sigterm_received = False
+
+
+def _by_sigterm(exc: BaseException | None) -> bool:
+    """Whether SIGTERM caused `exc` (ours, or Prefect's TerminationSignal, which replaces our
+    handler while a flow runs), following the exception's cause/context chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, Terminated) or type(exc).__name__ == "TerminationSignal":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _terminate_cleanly() -> None:
+    import signal
+
+    def handler(signum, frame):
+        global _sigterm_received
+        _sigterm_received = True  # click turns the exception into Abort: main() reads this flag
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM kills at once
+        raise Terminated(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 @app.command("run")
 def run(config: Path, set_: Optional[list[str]] = SetOpt,
         resume: Optional[str] = typer.Option(None, help="MLflow run id (or checkpoint dir) to continue")) -> None:
@@ -103,6 +136,7 @@ def run(config: Path, set_: Optional[list[str]] = SetOpt,
     _env_defaults()
     train = importlib.import_module("flows.train")
     _no_user_error_tracebacks()
+    _terminate_cleanly()
     result = train.tlt_train(config=cfg, resume=resume)
     out.print(f"done: MLflow run {result['run_id']}  (make ui, then open the experiment '{cfg.tracking.experiment}')")
 
@@ -236,13 +270,19 @@ def ui(prefect_port: int = 4200, mlflow_port: int = 5000, host: str = "127.0.0.1
 def main() -> None:
     try:
         rc = app(standalone_mode=False)  # returns Exit codes instead of raising in this mode
+        if rc in (130, 143):  # interrupted (Prefect turns SIGTERM into a crashed flow run, then 130)
+            err.print("interrupted; a `tlt run` continues with `--resume <run id>`", highlight=False)
         sys.exit(rc if isinstance(rc, int) else 0)
     except UserError as e:
         err.print(f"error: {e}", markup=False, highlight=False)
         sys.exit(2)
     except typer.Exit as e:
         sys.exit(e.exit_code)
-    except (typer.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt) as e:
+        if _sigterm_received or _by_sigterm(e):
+            err.print("stopped by SIGTERM; continue with `tlt run CONFIG --resume <run id>`", highlight=False)
+            sys.exit(143)
+        err.print("interrupted; a `tlt run` continues with `--resume <run id>`", highlight=False)
         sys.exit(130)
     except Exception as e:  # usage errors (typer's vendored click) come through here in standalone_mode=False
         if hasattr(e, "show") and hasattr(e, "exit_code"):

@@ -126,6 +126,13 @@ class RolloutConfig(Stage):
     tuner_plain_arm: bool = Field(True, description="The bandit may also choose plain decoding in a bucket (SD off "
                                   "where drafting does not pay for itself)")
 
+    @model_validator(mode="after")
+    def _workers_need_torch(self):
+        if self.workers > 1 and self.backend != "torch":
+            raise ValueError("rollout.workers > 1 shards the torch engine over processes; vLLM batches on its own: "
+                             "set rollout.workers: 1 with rollout.backend: vllm")
+        return self
+
 
 class RLConfig(Stage):
     steps: int = Field(4, ge=0, description="RL steps")
