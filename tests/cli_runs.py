@@ -30,6 +30,14 @@ def cli_env(tmp: Path, api_url: str | None = None, **extra: str) -> dict[str, st
     return env
 
 
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process of a process group (gone already: nothing to do)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_tlt(args: list[str], env: dict[str, str], timeout: float = 300, log: Path | None = None
             ) -> subprocess.CompletedProcess:
     """`tlt ARGS` in its own process group; whatever it leaves behind (a spot-trainer worker, a
@@ -39,10 +47,7 @@ def run_tlt(args: list[str], env: dict[str, str], timeout: float = 300, log: Pat
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc.pid)
         proc.wait()
     if log is not None:
         log.write_text(out or "")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from _services import live_pids
-from cli_runs import ROOT, TLT, cli_env
+from cli_runs import ROOT, TLT, cli_env, kill_group
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +34,7 @@ def test_sigterm_stops_the_whole_run(tmp_path):
         left = live_pids(lambda pgid, _cmd: pgid == proc.pid)
         assert not left, [open(f"/proc/{p}/cmdline").read() for p in left]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc.pid)
         log.close()
     from mlflow.tracking import MlflowClient
 

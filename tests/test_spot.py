@@ -12,6 +12,14 @@ from tlt.models import tiny_model
 from tlt.rl.logprobs import forward_logprobs, make_batch
 
 
+def add_rollouts(spot, target, responses: list[list[int]]) -> None:
+    """Two prompts' responses through the old-log-prob forward into the spot trainer's buffer."""
+    ids, attn, resp, pos = make_batch([[1, 5, 6, 7], [1, 8, 9]], responses, 0)
+    with torch.no_grad():
+        fo = forward_logprobs(target, ids, attn, resp, aux_layer_ids=spot.aux_layer_ids, position_ids=pos)
+    spot.add_rollouts(0, ids, attn, resp, fo.aux, fo.last_hidden)
+
+
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
@@ -19,12 +27,7 @@ def setup():
     cfg = DrafterConfig(draft_vocab_size=0, batch_tokens=256, lr=1e-3)
     drafter = build_drafter(target, cfg)
     spot = SpotTrainer(target, drafter, cfg, threads=1)
-    prompts = [[1, 5, 6, 7], [1, 8, 9]]
-    responses = [list(range(20, 44)), list(range(50, 70))]
-    ids, attn, resp, pos = make_batch(prompts, responses, 0)
-    with torch.no_grad():
-        fo = forward_logprobs(target, ids, attn, resp, aux_layer_ids=drafter.aux_layer_ids, position_ids=pos)
-    spot.add_rollouts(0, ids, attn, resp, fo.aux, fo.last_hidden)
+    add_rollouts(spot, target, [list(range(20, 44)), list(range(50, 70))])
     yield target, drafter, spot
     spot.close()
 

@@ -16,7 +16,7 @@ from tlt.config import DrafterConfig
 from tlt.drafter.model import build_drafter
 from tlt.drafter.spot import SpotTrainer
 from tlt.models import tiny_model
-from tlt.rl.logprobs import forward_logprobs, make_batch
+from test_spot import add_rollouts
 
 EVERY = 4
 
@@ -29,12 +29,7 @@ def spot(tmp_path_factory):
     drafter = build_drafter(target, cfg)
     ckpt = tmp_path_factory.mktemp("spot") / "drafter_checkpoints"
     spot = SpotTrainer(target, drafter, cfg, threads=1, checkpoint_dir=ckpt)
-    prompts = [[1, 5, 6, 7], [1, 8, 9]]
-    responses = [list(range(20, 60)), list(range(70, 110))]
-    ids, attn, resp, pos = make_batch(prompts, responses, 0)
-    with torch.no_grad():
-        fo = forward_logprobs(target, ids, attn, resp, aux_layer_ids=drafter.aux_layer_ids, position_ids=pos)
-    spot.add_rollouts(0, ids, attn, resp, fo.aux, fo.last_hidden)
+    add_rollouts(spot, target, [list(range(20, 60)), list(range(70, 110))])
     yield spot
     spot.close()
 
