@@ -8,6 +8,8 @@ output equals the plain one. SD is forced on at every row's batch size (threshol
 show where it stops paying -- that crossover is how `rollout.spec_threshold` is chosen. The GRPO
 row runs prompts x group at temperature 1.0 with the configured tail switch and tuner.
 Without `--drafter` (an EAGLE-3 export dir) SD uses the n-gram prompt-lookup drafter.
+`--prompts task` takes every row's prompts from the config's held-out split (the tasks a
+warm-started drafter was trained on) instead of the generic chat questions below.
 """
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ def encode_prompts(tokenizer, n: int, suffix: str = "") -> list[list[int]]:
                                             tokenize=True)
         out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     return out
+
+
+def task_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
+    """n held-out prompts of the config's dataset (cycling), rendered as the pipeline renders them."""
+    from tlt.data import load_dataset, prompt_ids
+
+    held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
+    return [prompt_ids(tokenizer, held[i % len(held)], cfg.data.instruction, cfg.data.system_prompt)
+            for i in range(n)]
 
 
 def _timed(fn):
@@ -105,7 +116,7 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
 
 
 def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_tokens: int | None = None,
-              reps: int = 2, grpo: bool = True, model_and_tokenizer=None) -> dict:
+              reps: int = 2, grpo: bool = True, model_and_tokenizer=None, prompts: str = "generic") -> dict:
     """Run the benchmark for a RunConfig; returns the JSON-able result (see module docstring)."""
     model, tok = model_and_tokenizer or load_target(cfg.model)
     eos_ids, pad_id = eos_token_ids(tok, model), tok.pad_token_id
@@ -118,24 +129,27 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     rows, identical = [], True
     plain_eng = RolloutEngine(model, r, eos_ids, pad_id)
     for bs in batches:
-        prompts = encode_prompts(tok, bs)
+        batch = task_prompts(cfg, tok, bs) if prompts == "task" else encode_prompts(tok, bs)
         spec_eng = RolloutEngine(model, r.model_copy(update={"spec_threshold": bs}), eos_ids, pad_id, drafter=drafter)
-        row, same = batch_row(plain_eng, spec_eng, model, prompts, pad_id, eos_ids, max_new, reps)
+        row, same = batch_row(plain_eng, spec_eng, model, batch, pad_id, eos_ids, max_new, reps)
         rows.append(row)
         identical &= same
         print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
               f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f} tok/s",
               flush=True)
-    result = {"drafter": drafter_dir or "ngram", "max_new_tokens": max_new, "threads": torch.get_num_threads(),
+    result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new,
+              "threads": torch.get_num_threads(),
               "greedy_identical": identical, "rows": rows, "strategy": r.strategy.model_dump()}
     if grpo:
-        prompts = encode_prompts(tok, cfg.rollout.prompts_per_step, cfg.data.instruction)
-        result["grpo"] = grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps)
+        n = cfg.rollout.prompts_per_step
+        group = task_prompts(cfg, tok, n) if prompts == "task" else encode_prompts(tok, n, cfg.data.instruction)
+        result["grpo"] = grpo_row(cfg, model, drafter, group, eos_ids, pad_id, reps)
     return result
 
 
 def print_table(result: dict) -> None:
-    print(f"\ndrafter={result['drafter']} greedy_identical={result['greedy_identical']} threads={result['threads']}")
+    print(f"\ndrafter={result['drafter']} prompts={result['prompts']} greedy_identical={result['greedy_identical']} "
+          f"threads={result['threads']}")
     print(f"{'batch':>5} {'plain tok/s':>12} {'SD tok/s':>10} {'HF tok/s':>10} {'SD/plain':>9} {'SD/HF':>7} "
           f"{'plain/HF':>9} {'accept':>7}")
     for r in result["rows"]:
@@ -159,12 +173,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-grpo", action="store_true")
+    ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
+                    help="greedy rows: generic chat questions, or the config's held-out task prompts")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     result = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
-                       args.reps, grpo=not args.no_grpo)
+                       args.reps, grpo=not args.no_grpo, prompts=args.prompts)
     print_table(result)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

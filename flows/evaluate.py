@@ -17,7 +17,7 @@ def tlt_evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None)
         step = stages.load_checkpoint(run_id, checkpoint) if checkpoint else 0
         result = stages.evaluate(run_id, step)
     except BaseException:
-        stages.finish_run(run_id, "FAILED")
+        stages.abort_run(run_id)
         raise
     stages.finish_run(run_id)
     return {"run_id": run_id, "eval": result.model_dump()}

@@ -39,7 +39,7 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
             if retrain:
                 stages.promote(run_id, export)
     except BaseException:
-        stages.finish_run(run_id, "FAILED")
+        stages.abort_run(run_id)
         raise
     stages.finish_run(run_id)
     return {"run_id": run_id, "eval": final.model_dump(), "export": export.model_dump() if export else None}

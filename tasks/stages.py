@@ -103,8 +103,15 @@ def promote(run_id: str, export: ExportSummary) -> bool:
 
 
 @task(name="finish-run", cache_policy=NO_CACHE)
-def finish_run(run_id: str, status: str = "FINISHED") -> None:
-    close_pipeline(run_id, status)
+def finish_run(run_id: str) -> None:
+    close_pipeline(run_id, "FINISHED")
+
+
+def abort_run(run_id: str) -> None:
+    """End a failed or interrupted run: stop its workers and mark the MLflow run FAILED. A plain
+    call, not a task: after SIGTERM or a crash Prefect's API may refuse new task runs or be gone,
+    and the run must not stay RUNNING in MLflow."""
+    close_pipeline(run_id, "FAILED")
 
 
 @task(name="load-checkpoint", cache_policy=NO_CACHE)

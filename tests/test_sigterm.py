@@ -40,4 +40,5 @@ def test_sigterm_stops_the_whole_run(tmp_path):
 
     client = MlflowClient(env["MLFLOW_TRACKING_URI"])
     runs = client.search_runs([client.get_experiment_by_name("tlt").experiment_id])
-    assert [r.info.status for r in runs] == ["FAILED"]
+    spooled = sorted(p.name for p in (tmp_path / "spool").glob("*")) if (tmp_path / "spool").exists() else []
+    assert [r.info.status for r in runs] == ["FAILED"], (spooled, out[-4000:])

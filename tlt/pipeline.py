@@ -30,11 +30,14 @@ def get_pipeline(run_id: str) -> "Pipeline":
 
 def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
     pipe = _PIPELINES.pop(run_id, None)
-    if pipe is not None:
+    if pipe is None:
+        return
+    try:
         if pipe.refresher is not None:
             pipe.refresher.close()
         if pipe.pool is not None:
             pipe.pool.close()
+    finally:  # the MLflow run gets its final status even if a worker fails to stop
         pipe.tracker.end(status)
 
 
