@@ -16,8 +16,8 @@ def tlt_evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None)
         stages.prepare_models(run_id)
         step = stages.load_checkpoint(run_id, checkpoint) if checkpoint else 0
         result = stages.evaluate(run_id, step)
-    except BaseException:
-        stages.abort_run(run_id)
+    except BaseException as exc:
+        stages.abort_run(run_id, exc)
         raise
     stages.finish_run(run_id)
     return {"run_id": run_id, "eval": result.model_dump()}

@@ -38,8 +38,8 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
             export = stages.export_drafter(run_id)
             if retrain:
                 stages.promote(run_id, export)
-    except BaseException:
-        stages.abort_run(run_id)
+    except BaseException as exc:
+        stages.abort_run(run_id, exc)
         raise
     stages.finish_run(run_id)
     return {"run_id": run_id, "eval": final.model_dump(), "export": export.model_dump() if export else None}

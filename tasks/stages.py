@@ -11,6 +11,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
+from tlt.errors import UserError
 from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
@@ -107,11 +108,25 @@ def finish_run(run_id: str) -> None:
     close_pipeline(run_id, "FINISHED")
 
 
-def abort_run(run_id: str) -> None:
+def abort_run(run_id: str, exc: BaseException | None = None) -> None:
     """End a failed or interrupted run: stop its workers and mark the MLflow run FAILED. A plain
     call, not a task: after SIGTERM or a crash Prefect's API may refuse new task runs or be gone,
-    and the run must not stay RUNNING in MLflow."""
+    and the run must not stay RUNNING in MLflow. A `UserError` (bad data, a reward function that
+    raises, a drafter for another target) would fail the same way again, so the flow run's
+    retries are cancelled for it; crashes and other errors keep them (a retry resumes)."""
     close_pipeline(run_id, "FAILED")
+    if isinstance(exc, UserError):
+        _cancel_retries()
+
+
+def _cancel_retries() -> None:
+    from prefect import get_client
+
+    if flow_run.id is None:
+        return
+    with get_client(sync_client=True) as client:
+        policy = client.read_flow_run(flow_run.id).empirical_policy
+        client.update_flow_run(flow_run.id, empirical_policy=policy.model_copy(update={"retries": 0}))
 
 
 @task(name="load-checkpoint", cache_policy=NO_CACHE)

@@ -14,6 +14,7 @@ def _refused(proc, *words: str) -> str:
     out = proc.stdout
     assert proc.returncode == 2, f"rc {proc.returncode}\n{out[-3000:]}"
     assert "Traceback" not in out and "╭" not in out, out[-3000:]
+    assert "attempt to run again" not in out, out[-3000:]  # a user error is not retried
     last = out.strip().splitlines()[-1]  # the CLI's own paragraph comes last
     assert last.startswith("error: "), last
     for w in words:
