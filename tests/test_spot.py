@@ -50,6 +50,17 @@ def test_trains_until_finish_and_loads_weights(setup):
     assert torch.equal(drafter.embed_weight, setup[0].get_input_embeddings().weight)
 
 
+def test_a_tail_shorter_than_one_step_still_trains_one(setup):
+    """finish() right after start(): the stop flag is set before the worker's first step, which
+    still runs, so every rollout with a tail refreshes the drafter (and stops after that step)."""
+    _, drafter, spot = setup
+    before = {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
+    spot.start(1)
+    m = spot.finish()
+    assert m["drafter/spot_steps"] >= 1
+    assert any(not torch.equal(v, before[k]) for k, v in drafter.trainable_state_dict().items())
+
+
 def test_loaded_weights_lower_the_loss(setup):
     """The weights that come back from the worker fit the buffer better than a fresh drafter."""
     target, drafter, spot = setup

@@ -3,7 +3,8 @@
 A persistent worker process owns a copy of the drafter and its optimizer, with its own thread
 budget. When the rollout enters its long tail (few sequences left, the hardware mostly idle),
 the engine's `on_tail` hook starts it; it trains on the online buffer until the rollout ends
-and then stops within one drafter step. Only the trainable weights come back (selective
+and then stops within one drafter step (a tail that ends before the first step still gets that
+one step, so a rollout with a tail always refreshes the drafter). Only the trainable weights come back (selective
 checkpoint through shared memory; the frozen embedding never moves), and the rollout engine
 loads them before the next rollout.
 
@@ -105,7 +106,7 @@ def _worker(target_config, embed, head, state, dcfg_json: str, vd: int, aux_ids,
 
 def _train_until_stop(trainer, drafter, batches, state, stop, progress, writer, every: int) -> dict:
     t0, history = time.perf_counter(), []
-    while batches and not stop.is_set():
+    while batches and not (history and stop.is_set()):  # a started tail trains at least one step
         history.append(trainer.step(batches[len(history) % len(batches)]))
         progress.value = trainer.num_steps
         fault("spot", trainer.num_steps)  # TLT_FAULT=spot:N kills this worker at drafter step N
