@@ -111,12 +111,24 @@ def finish_run(run_id: str) -> None:
 def abort_run(run_id: str, exc: BaseException | None = None) -> None:
     """End a failed or interrupted run: stop its workers and mark the MLflow run FAILED. A plain
     call, not a task: after SIGTERM or a crash Prefect's API may refuse new task runs or be gone,
-    and the run must not stay RUNNING in MLflow. A `UserError` (bad data, a reward function that
-    raises, a drafter for another target) would fail the same way again, so the flow run's
-    retries are cancelled for it; crashes and other errors keep them (a retry resumes)."""
+    and the run must not stay RUNNING in MLflow. The flow run's retries are cancelled when a retry
+    would fail the same way or was not wanted (see `_final`); other errors keep them (a retry
+    resumes from the last checkpoint)."""
     close_pipeline(run_id, "FAILED")
-    if isinstance(exc, UserError):
+    if _final(exc):
         _cancel_retries()
+
+
+def _final(exc: BaseException | None) -> bool:
+    """A `UserError` (bad data, a reward function that raises, a drafter for another target) or an
+    interruption (SIGTERM, Ctrl-C: not an `Exception`) anywhere in the exception's chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, UserError) or not isinstance(exc, Exception):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _cancel_retries() -> None:
@@ -124,9 +136,12 @@ def _cancel_retries() -> None:
 
     if flow_run.id is None:
         return
-    with get_client(sync_client=True) as client:
-        policy = client.read_flow_run(flow_run.id).empirical_policy
-        client.update_flow_run(flow_run.id, empirical_policy=policy.model_copy(update={"retries": 0}))
+    try:
+        with get_client(sync_client=True) as client:
+            policy = client.read_flow_run(flow_run.id).empirical_policy
+            client.update_flow_run(flow_run.id, empirical_policy=policy.model_copy(update={"retries": 0}))
+    except Exception as err:  # noqa: BLE001 - the API may be gone during a shutdown; a retry is then harmless
+        get_run_logger().warning("could not cancel the flow run's retries: %s", err)
 
 
 @task(name="load-checkpoint", cache_policy=NO_CACHE)

@@ -117,6 +117,11 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     assert ref.returncode == 0, out[-3000:]
     ref_id = _run_id(ref_dir)
 
+    def summary(stdout: str) -> str:  # `tlt run`'s closing line, without the export path
+        return next(ln for ln in stdout.splitlines() if ln.startswith("held-out accuracy")).split(";")[0]
+
+    assert summary(r5.stdout) == summary(out)
+
     # same policy, drafter and drafter buffer, bitwise (CPU, same thread count, same seeds)
     a, b = _final_weights(ckpts), _final_weights(ref_dir / "runs" / ref_id / "checkpoints")
     assert a.keys() == b.keys()

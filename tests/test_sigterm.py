@@ -30,6 +30,7 @@ def test_sigterm_stops_the_whole_run(tmp_path):
         out = (tmp_path / "run.log").read_text()
         assert rc in (130, 143), out[-3000:]  # Prefect's SIGTERM bridge ends the flow as interrupted
         assert "Stopping temporary server" in out and "--resume" in out
+        assert "attempt to run again" not in out, out[-3000:]  # an interrupted run is not retried
         time.sleep(2)
         left = live_pids(lambda pgid, _cmd: pgid == proc.pid)
         assert not left, [open(f"/proc/{p}/cmdline").read() for p in left]

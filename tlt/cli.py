@@ -138,6 +138,13 @@ def run(config: Path, set_: Optional[list[str]] = SetOpt,
     _no_user_error_tracebacks()
     _terminate_cleanly()
     result = train.tlt_train(config=cfg, resume=resume)
+    ev, ex = result["eval"], result.get("export")
+    line = f"held-out accuracy {ev['accuracy']:.3f} at step {ev['step']} ({ev['n']} prompts)"
+    if ev.get("accept_len"):
+        line += f", accept length {ev['accept_len']:.2f}"
+    if ex:
+        line += f"; drafter exported to {ex['path']}" + (f" (tlt-drafter version {ex['version']})" if ex.get("version") else "")
+    out.print(line, markup=False, highlight=False)
     out.print(f"done: MLflow run {result['run_id']}  (make ui, then open the experiment '{cfg.tracking.experiment}')")
 
 
