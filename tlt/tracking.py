@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tlt.spool import Spool
+
 DEFAULT_DIR = Path("mlflow")
 
 
@@ -93,7 +95,8 @@ class MlflowTracker(NullTracker):
             run_id = self.client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
         self.run_id = run_id
         root = Path(spool_dir or os.environ.get("TLT_MLFLOW_SPOOL_DIR") or DEFAULT_DIR / "spool").resolve()
-        self.spool = root / f"{run_id}.jsonl"
+        self._spool = Spool(root, run_id)
+        self.spool = self._spool.path
         self._offline_until = 0.0
         self._logged: set[tuple[str, int]] = set()
         if resumed:
@@ -143,23 +146,16 @@ class MlflowTracker(NullTracker):
         logging.getLogger(__name__).warning("MLflow store %s unreachable (%s); spooling to %s",
                                             self.uri, (str(err).splitlines() or [""])[0][:200], self.spool)
 
-    def _spool_append(self, kind: str, payload: dict) -> None:
-        self.spool.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spool, "a") as f:
-            f.write(json.dumps({"kind": kind, **payload}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-
     def _flush(self) -> bool:
         """Send the spool in order; True when it is empty afterwards."""
         import logging
         import time
 
-        if not self.spool.exists():
+        if not self._spool.exists():
             return True
         if time.monotonic() < self._offline_until:
             return False
-        entries = [json.loads(line) for line in self.spool.read_text().splitlines() if line.strip()]
+        entries = self._spool.entries()
         for i, entry in enumerate(entries):
             try:
                 self._apply(entry["kind"], entry)
@@ -168,17 +164,15 @@ class MlflowTracker(NullTracker):
                     logging.getLogger(__name__).warning("dropping a spooled MLflow call: %s", err)
                     continue
                 self._went_offline(err)
-                tmp = self.spool.with_suffix(".tmp")
-                tmp.write_text("".join(json.dumps(e) + "\n" for e in entries[i:]))
-                os.replace(tmp, self.spool)
+                self._spool.keep(entries[i:])
                 return False
-        self.spool.unlink()
+        self._spool.keep([])
         return True
 
     def _send(self, kind: str, payload: dict) -> None:
         """Send now (after anything spooled, to keep the order) or spool when the store is down."""
         if not self._flush():
-            self._spool_append(kind, payload)
+            self._spool.append(kind, payload)
             return
         try:
             self._apply(kind, payload)
@@ -186,13 +180,11 @@ class MlflowTracker(NullTracker):
             if not _transient(err):
                 raise
             self._went_offline(err)
-            self._spool_append(kind, payload)
+            self._spool.append(kind, payload)
 
     def _send_artifact(self, online, name: str, path: str | None, write) -> None:
         """`online()` logs the artifact; during an outage `write(dst)` puts a copy next to the spool
         (`<spool_dir>/<run_id>/<n>/<name>`), logged under `path` once the store is back."""
-        import time
-
         if self._flush():
             try:
                 online()
@@ -201,10 +193,9 @@ class MlflowTracker(NullTracker):
                 if not _transient(err):
                     raise
                 self._went_offline(err)
-        stage = self.spool.parent / self.run_id / f"{time.time_ns()}" / name
-        stage.parent.mkdir(parents=True, exist_ok=True)
+        stage = self._spool.stage(name)
         write(stage)
-        self._spool_append("artifact", {"local": str(stage), "path": path})
+        self._spool.append("artifact", {"local": str(stage), "path": path})
 
     def _send_file(self, path: str, online, write) -> None:
         p = Path(path)
@@ -281,7 +272,7 @@ class MlflowTracker(NullTracker):
                 if not _transient(err):
                     raise
                 self._went_offline(err)
-        self._spool_append("register", payload)
+        self._spool.append("register", payload)
         logging.getLogger(__name__).warning("MLflow store %s unreachable: the registration of model '%s' is spooled "
                                             "and happens when the store is back", self.uri, name)
         return None
