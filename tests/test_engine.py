@@ -107,15 +107,17 @@ def _exact_joint(model, prompt, temperature, top_p, n_tokens=2):
 
 @pytest.mark.parametrize("kind,strategy,top_p", [("ngram", CHAIN, 1.0),
                                                  ("ngram", SpecStrategy(depth=3, topk=3, tokens=6), 0.9),
-                                                 ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0)])
+                                                 ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0),
+                                                 ("eagle-pruned", SpecStrategy(depth=3, topk=2, tokens=6), 1.0)])
 def test_sampling_distribution_matches_policy(kind, strategy, top_p):
     """TV(empirical SD samples, exact policy) of the first 2 tokens within a sample-size bound."""
     model = tiny_model("llama", layers=2, vocab=16, seed=3)
     prompt = [5, 6, 7, 5, 6, 8, 5, 6, 9, 3, 5, 6]  # the suffix "5 6" has three continuations -> drafts
     n = 3000
     eng = _engine(model, eos=(), spec_threshold=n, strategy=strategy, max_new_tokens=2)
-    if kind == "eagle":  # a random EAGLE-3 drafter: its q differs from p, so rejections happen
-        eng = RolloutEngine(model, eng.cfg.model_copy(update={"drafter": "eagle"}), eos_ids=[], pad_id=0,
+    if kind.startswith("eagle"):  # a random EAGLE-3 drafter: its q differs from p, so rejections happen
+        update = {"drafter": "eagle", "draft_min_prob": 0.01 if kind == "eagle-pruned" else 0.0}
+        eng = RolloutEngine(model, eng.cfg.model_copy(update=update), eos_ids=[], pad_id=0,
                             drafter=build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval())
     out = eng.generate([prompt], group_size=n, temperature=1.0, top_p=top_p, seed=11, spec=True)
     exact = _exact_joint(model, prompt, 1.0, top_p)

@@ -80,21 +80,48 @@ def test_greedy_identical_ngram(models, arch, strategy):
     assert accepted > 0  # the n-gram drafter does get tokens accepted on these models
 
 
+@pytest.mark.parametrize("min_prob", [0.0, 0.05])
 @pytest.mark.parametrize("strategy", [CHAIN, TREE])
-def test_greedy_identical_eagle(models, trained_drafter, strategy):
+def test_greedy_identical_eagle(models, trained_drafter, strategy, min_prob):
     model = models["llama"]
     prompts = _prompts(12, 64, seed=3)
     eos = (_common_token(model, prompts),)
     plain = _engine(model, eos=eos).generate(prompts, spec=False)
     accepted = 0
     for threshold in (100, 9):
-        eng = _engine(model, trained_drafter, eos=eos, spec_threshold=threshold, strategy=strategy)
+        eng = _engine(model, trained_drafter, eos=eos, spec_threshold=threshold, strategy=strategy,
+                      draft_min_prob=min_prob)
         sd = eng.generate(prompts, spec=True)
         assert sd.response_ids == plain.response_ids
         assert all(a <= d for a, d in zip(sd.accepted, sd.drafted))
         accepted += sum(sd.accepted)
     assert sd.stats["decode_steps"] > 0 and sd.stats["spec_steps"] > 0
     assert accepted > 0
+
+
+def test_confidence_pruning_verifies_fewer_tokens(models, trained_drafter):
+    """draft_min_prob drops unconfident drafts: fewer drafted, the accept rate per draft rises."""
+    prompts = _prompts(6, 64, seed=5)
+    full = _engine(models["llama"], trained_drafter, strategy=TREE).generate(prompts, spec=True)
+    pruned = _engine(models["llama"], trained_drafter, strategy=TREE, draft_min_prob=0.05).generate(prompts, spec=True)
+    assert pruned.response_ids == full.response_ids
+    assert 0 < sum(pruned.drafted) < sum(full.drafted)
+    assert sum(pruned.accepted) / sum(pruned.drafted) > sum(full.accepted) / sum(full.drafted)
+
+
+def test_prune_tree_drops_columns_and_remaps_parents():
+    from tlt.rollout.spec import DraftTree, prune_tree
+
+    t = torch.tensor
+    #          node:  1   2   3   4      (parents: 1<-root, 2<-1, 3<-root, 4<-3)
+    tree = DraftTree(tokens=t([[10, 11, 12, 13], [20, 21, 22, 23]]), parent=t([[0, 1, 0, 3], [0, 1, 0, 3]]),
+                     depth=t([[1, 2, 1, 2], [1, 2, 1, 2]]), valid=torch.ones(2, 4, dtype=torch.bool))
+    keep = t([[True, False, True, True], [True, False, True, False]])  # column 2 kept by no row
+    out = prune_tree(tree, keep)
+    assert out.tokens.tolist() == [[10, 12, 13], [20, 22, 23]]
+    assert out.parent.tolist() == [[0, 0, 2], [0, 0, 0]]  # node 4 -> verify index 3, its parent 3 -> 2
+    assert out.valid.tolist() == [[True, True, True], [True, True, False]]
+    assert out.depth.tolist() == [[1, 1, 2], [1, 1, 2]]
 
 
 def test_greedy_identical_random_eagle_qwen(models):

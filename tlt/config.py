@@ -119,6 +119,10 @@ class RolloutConfig(Stage):
     spec_patience: int = Field(0, ge=0, description="SD switches on only after this many consecutive decode steps "
                                "at or under spec_threshold (TLT uses 10 on GPUs; 0 = at once)")
     drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")
+    draft_min_prob: float = Field(0.0, ge=0, lt=1, description="Drop draft tokens whose drafter path probability "
+                                  "(product down the tree) is below this, so unconfident rounds verify fewer tokens "
+                                  "(lossless; pays where verify cost grows with tokens, as on CPU; 0 = off; EAGLE "
+                                  "drafter, torch engine)")
     strategy: SpecStrategy = Field(default_factory=SpecStrategy, description="Strategy when the tuner is off")
     tuner: bool = Field(True, description="Pick the strategy per batch bucket with the bandit")
     tuner_epsilon: float = Field(0.1, ge=0, le=1, description="Exploration rate of the bandit")

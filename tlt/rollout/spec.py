@@ -19,6 +19,7 @@ first draft step of the next round.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -80,13 +81,17 @@ def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy) -> DraftTree:
     h, logits, past = dr(tok, hid, pos, past=st.dpast, key_mask=key_mask)
     st.dpast, st.dvalid = compact_past(past, key_mask)
     st.pending = None
-    return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy)
+    p_min = getattr(engine.cfg, "draft_min_prob", 0.0)
+    return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy, math.log(p_min) if p_min > 0 else -math.inf)
 
 
-def grow_tree(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, strategy: SpecStrategy) -> DraftTree:
+def grow_tree(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, strategy: SpecStrategy,
+              min_logp: float = -math.inf) -> DraftTree:
     """Beam-expand k nodes per level for `depth` levels, keep the `tokens` best by cumulative log-prob.
 
     h_last [B,H], logits [B,Vd]: the drafter's output for the newest committed position.
+    Nodes whose cumulative log-prob is under `min_logp` are dropped (`prune_tree`), and the beam
+    stops growing once every beam is under it (a child never scores above its parent).
     """
     k, bsz = strategy.topk, st.size
     score, tok = torch.log_softmax(logits.float(), -1).topk(k, -1)  # [B, k]
@@ -98,6 +103,8 @@ def grow_tree(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, s
     n_cand = k
     ones = torch.ones(bsz * k, 1, dtype=torch.bool, device=tok.device)
     for level in range(1, strategy.depth):
+        if bool((score < min_logp).all()):
+            break
         kmask = torch.cat([kmask, ones], 1)
         p = (st.pos + level - 1).repeat_interleave(k)[:, None]
         h, lg, past = dr(dr.to_target_ids(tok).reshape(-1, 1), beam_h.reshape(bsz * k, 1, -1), p,
@@ -113,11 +120,12 @@ def grow_tree(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, s
         beam_h = h[:, -1].view(bsz, k, -1).gather(1, parent_beam[..., None].expand(bsz, k, h.shape[-1]))
         rows = (torch.arange(bsz, device=tok.device)[:, None] * k + parent_beam).reshape(-1)
         past = (past[0][rows], past[1][rows])
-    return select_tree(dr, cands, strategy.tokens)
+    return select_tree(dr, cands, strategy.tokens, min_logp)
 
 
-def select_tree(dr, cands, n_keep: int) -> DraftTree:
-    """Top `n_keep` candidates by score (parents score >= children, ties go to the shallower)."""
+def select_tree(dr, cands, n_keep: int, min_logp: float = -math.inf) -> DraftTree:
+    """Top `n_keep` candidates by score (parents score >= children, ties go to the shallower),
+    minus those scoring under `min_logp`."""
     tok = torch.cat([c[0] for c in cands], 1)
     score = torch.cat([c[1] for c in cands], 1)
     parent = torch.cat([c[2] for c in cands], 1)
@@ -127,7 +135,20 @@ def select_tree(dr, cands, n_keep: int) -> DraftTree:
     qidx = torch.full_like(tok, -1).scatter_(1, sel, torch.arange(1, n + 1, device=tok.device).expand_as(sel))
     par = parent.gather(1, sel)
     par_q = torch.where(par >= 0, qidx.gather(1, par.clamp_min(0)), 0)
-    return DraftTree(dr.to_target_ids(tok.gather(1, sel)), par_q.clamp_min(0), depth.gather(1, sel), par_q >= 0)
+    tree = DraftTree(dr.to_target_ids(tok.gather(1, sel)), par_q.clamp_min(0), depth.gather(1, sel), par_q >= 0)
+    return prune_tree(tree, score.gather(1, sel) >= min_logp) if min_logp > -math.inf else tree
+
+
+def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
+    """Invalidate nodes where `keep` [B,N] is False and drop the columns no row keeps, so the
+    verify block shrinks. `keep` must be closed under ancestors (a kept node's parent is kept)."""
+    valid = tree.valid & keep
+    cols = valid.any(0)  # [N]
+    new_idx = torch.cumsum(cols.long(), 0)  # verify index (1-based) of each kept column
+    idx = torch.nonzero(cols).squeeze(1)
+    parent = tree.parent[:, idx]
+    parent = torch.where((parent > 0) & valid[:, idx], new_idx[(parent - 1).clamp_min(0)], 0)
+    return DraftTree(tree.tokens[:, idx], parent, tree.depth[:, idx], valid[:, idx])
 
 
 # ---- acceptance -----------------------------------------------------------------------------
