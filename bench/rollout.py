@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-grpo", action="store_true")
     ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
-                    help="greedy rows: generic chat questions, or the config's held-out task prompts")
+                    help="generic chat questions, or the config's held-out task prompts (every row)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
