@@ -11,7 +11,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
-from tlt.errors import UserError
+from tlt.errors import UserError, exception_chain
 from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
@@ -122,13 +122,7 @@ def abort_run(run_id: str, exc: BaseException | None = None) -> None:
 def _final(exc: BaseException | None) -> bool:
     """A `UserError` (bad data, a reward function that raises, a drafter for another target) or an
     interruption (SIGTERM, Ctrl-C: not an `Exception`) anywhere in the exception's chain."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, UserError) or not isinstance(exc, Exception):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, UserError) or not isinstance(e, Exception) for e in exception_chain(exc))
 
 
 def _cancel_retries() -> None:

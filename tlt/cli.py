@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from tlt.errors import UserError
+from tlt.errors import UserError, exception_chain
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TLT: RL with speculative rollout and an adaptive drafter.")
 config_app = typer.Typer(no_args_is_help=True, help="Check and show run configs.")
@@ -107,13 +107,7 @@ _sigterm_received = False
 def _by_sigterm(exc: BaseException | None) -> bool:
     """Whether SIGTERM caused `exc` (ours, or Prefect's TerminationSignal, which replaces our
     handler while a flow runs), following the exception's cause/context chain."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, Terminated) or type(exc).__name__ == "TerminationSignal":
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
+    return any(isinstance(e, Terminated) or type(e).__name__ == "TerminationSignal" for e in exception_chain(exc))
 
 
 def _terminate_cleanly() -> None:

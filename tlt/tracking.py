@@ -96,7 +96,6 @@ class MlflowTracker(NullTracker):
         self.run_id = run_id
         root = Path(spool_dir or os.environ.get("TLT_MLFLOW_SPOOL_DIR") or DEFAULT_DIR / "spool").resolve()
         self._spool = Spool(root, run_id)
-        self.spool = self._spool.path
         self._offline_until = 0.0
         self._logged: set[tuple[str, int]] = set()
         if resumed:
@@ -106,6 +105,11 @@ class MlflowTracker(NullTracker):
         self._monitor = None
         if system_metrics:
             self._start_system_metrics()
+
+    @property
+    def spool(self) -> Path:
+        """The run's spool file (exists only while something is unsent)."""
+        return self._spool.path
 
     def _start_system_metrics(self) -> None:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

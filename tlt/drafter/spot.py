@@ -4,9 +4,9 @@ A persistent worker process owns a copy of the drafter and its optimizer, with i
 budget. When the rollout enters its long tail (few sequences left, the hardware mostly idle),
 the engine's `on_tail` hook starts it; it trains on the online buffer until the rollout ends
 and then stops within one drafter step (a tail that ends before the first step still gets that
-one step, so a rollout with a tail always refreshes the drafter). Only the trainable weights come back (selective
-checkpoint through shared memory; the frozen embedding never moves), and the rollout engine
-loads them before the next rollout.
+one step, so a rollout with a tail always refreshes the drafter). Only the trainable weights
+come back (selective checkpoint through shared memory; the frozen embedding never moves), and
+the rollout engine loads them before the next rollout.
 
 Data and weights cross the process boundary through shared memory (torch.multiprocessing),
 never through disk: the target embedding / LM head are shared tensors refreshed in place after

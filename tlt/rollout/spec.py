@@ -81,7 +81,7 @@ def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy) -> DraftTree:
     h, logits, past = dr(tok, hid, pos, past=st.dpast, key_mask=key_mask)
     st.dpast, st.dvalid = compact_past(past, key_mask)
     st.pending = None
-    p_min = getattr(engine.cfg, "draft_min_prob", 0.0)
+    p_min = engine.cfg.draft_min_prob
     return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy, math.log(p_min) if p_min > 0 else -math.inf)
 
 
