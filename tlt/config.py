@@ -147,6 +147,9 @@ class RLConfig(Stage):
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 = none)")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus")
     filter_zero_std: bool = Field(False, description="Drop groups whose rewards all agree")
+    fused_old_logprob: bool = Field(True, description="Take the old log-probs and the drafter's hidden states from "
+                                    "the update's own forward (one optimizer step per RL step makes them equal); "
+                                    "false = a separate no-grad forward first (always so with kl_coef > 0)")
     reward: str = Field("auto", description="Reward: auto (reasoning-gym scorer or math-verify), math, reasoning_gym, "
                         "or a user function 'module:function'")
     seed: int = Field(0, description="Seed of sampling and training")

@@ -1,5 +1,5 @@
-"""One RL step of TLT: rollout (SD in the tail) -> rewards -> GRPO advantages -> the old-log-prob
-forward, which also feeds the drafter buffer -> policy update -> drafter refresh.
+"""One RL step of TLT: rollout (SD in the tail) -> rewards -> GRPO advantages -> policy update,
+whose forward also yields the old log-probs and feeds the drafter buffer -> drafter refresh.
 
 The policy lives in this process and the torch engine decodes with the same module, so the
 weight sync after an update is free (no copy, no disk); an engine in another process (vLLM)
@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from tlt.faults import fault
 from tlt.rl.grpo import group_advantages, zero_std_groups
@@ -91,10 +92,59 @@ def _rewards(ctx: StepContext, rows, batch, timer: Timer):
     return texts, rewards, pick("task")
 
 
+def _drafter_rows(ctx: StepContext, step: int, ids, attn, resp, out) -> None:
+    """Hand the drafter buffer the hidden states of one forward over rows of the step's batch
+    ([B,T,...]; TLT: its training data comes from a forward the RL step runs anyway, no extra pass)."""
+    mask = attn.bool() if ctx.cfg.drafter.train_on_prompt else resp
+    ctx.refresher.add_rollouts(step, ids, attn, mask, out.aux, out.last_hidden)
+
+
+def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, timer: Timer) -> dict[str, float]:
+    """Policy update on the kept rows; the drafter buffer gets every row's hidden states.
+
+    Fused (`fuses_old_logprob`): one forward per sample, the update's own, gives the old
+    log-probs and the drafter's features. Otherwise (or for rows the update filters out) a
+    no-grad forward first, scored at temperature 1 like the update's, so the first ratio is 1.
+    `perf/target_forwards_per_sample` counts the learner's full-sequence policy forwards.
+    """
+    from tlt.rl.update import PolicyBatch, fuses_old_logprob
+
+    ids, attn, resp, pos = tensors
+    aux_ids = ctx.refresher.aux_layer_ids if ctx.refresher else None
+    fused = fuses_old_logprob(ctx.cfg)
+    rows = torch.arange(len(ids))
+    separate = rows if not fused else (rows[~keep] if ctx.refresher else rows[:0])
+    old_logp = None
+    metrics: dict[str, float] = {}
+    if len(separate):
+        with timer("old_logprob"), torch.no_grad():
+            fo = forward_logprobs(ctx.model, ids[separate], attn[separate], resp[separate], aux_layer_ids=aux_ids,
+                                  position_ids=pos[separate])
+        if ctx.refresher:
+            _drafter_rows(ctx, step, ids[separate], attn[separate], resp[separate], fo)
+        if not fused:
+            old_logp = fo.logp
+
+    def on_forward(start, mb, out):  # one micro-batch of the update's forward, detached
+        _drafter_rows(ctx, step, mb.input_ids, mb.attention_mask, mb.response_mask, out)
+
+    if not (fused and ctx.refresher):
+        on_forward = None
+    if keep.any():
+        with timer("update_policy"):
+            fault("update", step)
+            pb = PolicyBatch(input_ids=ids[keep], attention_mask=attn[keep], response_mask=resp[keep],
+                             old_logp=None if old_logp is None else old_logp[keep], advantages=adv[keep],
+                             position_ids=pos[keep])
+            metrics.update(ctx.updater.step(pb, aux_layer_ids=aux_ids if on_forward else None, on_forward=on_forward))
+    n = max(len(ids), 1)
+    metrics["perf/target_forwards_per_sample"] = (len(separate) + int(keep.sum())) / n
+    return metrics
+
+
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     """Run RL step `step`; returns its metrics (names of DESIGN.md)."""
     from tlt.metrics import rollout_metrics
-    from tlt.rl.update import PolicyBatch
 
     cfg, timer = ctx.cfg, Timer()
     t0 = time.perf_counter()
@@ -108,19 +158,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
     keep = ~zero_std_groups(torch.tensor(rewards), group_ids) if cfg.rl.filter_zero_std else torch.ones_like(adv, dtype=torch.bool)
     ids, attn, resp, pos = make_batch(batch.prompt_ids, batch.response_ids, ctx.tokenizer.pad_token_id)
-    aux_ids = ctx.refresher.aux_layer_ids if ctx.refresher else None
-    with timer("old_logprob"), torch.no_grad():
-        # Scored at temperature 1, the same as the update's forward, so the first ratio is exactly 1.
-        fo = forward_logprobs(ctx.model, ids, attn, resp, aux_layer_ids=aux_ids, position_ids=pos)
-    if ctx.refresher:  # TLT: the drafter's training data comes from this forward, no extra pass
-        mask = attn.bool() if cfg.drafter.train_on_prompt else resp
-        ctx.refresher.add_rollouts(step, ids, attn, mask, fo.aux, fo.last_hidden)
-    if keep.any():
-        with timer("update_policy"):
-            fault("update", step)
-            pb = PolicyBatch(input_ids=ids[keep], attention_mask=attn[keep], response_mask=resp[keep],
-                             old_logp=fo.logp[keep], advantages=adv[keep], position_ids=pos[keep])
-            metrics.update(ctx.updater.step(pb))
+    metrics.update(_update(ctx, step, (ids, attn, resp, pos), adv, keep, timer))
     if ctx.refresher:  # sequential refresh (when not spot-trained)
         with timer("update_drafter"):
             metrics.update(ctx.refresher.after_update(step, metrics.get("spec/accept_len/mean")))

@@ -4,19 +4,26 @@ Loss per RL step (GRPO, Shao et al. 2024, with DAPO's clip-higher and token-leve
 Yu et al. 2025):  policy_loss + kl_coef * k3 KL(pi || pi_ref) - entropy_coef * entropy.
 Every term is a mean over all response tokens of the *whole* batch; micro-batches pass that
 token count as `denom`, so accumulated gradients equal the full-batch gradient exactly.
+
+Fused old log-probs: both backends take exactly one optimizer step per RL step (micro-batches
+accumulated), so the old policy *is* the policy of the update's forward: with
+`PolicyBatch.old_logp = None` the loss uses that forward's own detached log-probs (ratio 1,
+TRL does the same when it runs one iteration per generation) and the forward can hand the
+drafter its hidden states (`on_forward`); the separate no-grad forward disappears.
 """
 from __future__ import annotations
 
 import os
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from tlt.config import RLConfig, RunConfig, TrainerConfig
 from tlt.rl.grpo import kl_k3, masked_mean, policy_loss
-from tlt.rl.logprobs import forward_logprobs
+from tlt.rl.logprobs import ForwardOut, forward_logprobs
 
 _ADAM_BETAS = (0.9, 0.999)  # torch AdamW's own defaults, spelled out so both backends agree
 _ADAM_EPS = 1e-8
@@ -27,13 +34,14 @@ class PolicyBatch:
     """One RL step's training data, laid out as `tlt.rl.logprobs.make_batch` builds it.
 
     input_ids, attention_mask, response_mask [B,T]; old_logp [B,T] (rollout-policy log-probs,
-    position-aligned with the tokens); advantages [B]; ref_logp [B,T] when kl_coef > 0.
+    position-aligned with the tokens), or None = fused: the update's own forward, detached;
+    advantages [B]; ref_logp [B,T] when kl_coef > 0.
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     response_mask: Tensor
-    old_logp: Tensor
+    old_logp: Tensor | None
     advantages: Tensor
     ref_logp: Tensor | None = None
     position_ids: Tensor | None = None
@@ -62,16 +70,26 @@ def make_optimizer(params, rl: RLConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=rl.lr, betas=_ADAM_BETAS, eps=_ADAM_EPS, weight_decay=rl.weight_decay)
 
 
-def micro_batch_loss(model, mb: PolicyBatch, rl: RLConfig, denom: float) -> tuple[Tensor, dict[str, float]]:
+def fuses_old_logprob(cfg: RunConfig) -> bool:
+    """Whether an RL step takes its old log-probs (and the drafter's hidden states) from the
+    update's own forward. Valid because every update is one optimizer step per RL step; a KL
+    reference keeps the separate forward path (its reference log-probs need one anyway)."""
+    return cfg.rl.fused_old_logprob and cfg.rl.kl_coef == 0
+
+
+def micro_batch_loss(model, mb: PolicyBatch, rl: RLConfig, denom: float, aux_layer_ids: list[int] | None = None
+                     ) -> tuple[Tensor, dict[str, float], ForwardOut]:
     """Loss of one micro-batch scaled to its share of the full-batch token mean.
 
     `denom` = response tokens in the full batch. Returns (loss scalar with grad, additive stats:
-    summing them over the micro-batches gives the full-batch values).
+    summing them over the micro-batches gives the full-batch values, the forward's outputs with
+    the hidden states at `aux_layer_ids` when given). `mb.old_logp` None: fused (see module doc).
     """
-    out = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask,
+    out = forward_logprobs(model, mb.input_ids, mb.attention_mask, mb.response_mask, aux_layer_ids=aux_layer_ids,
                            with_entropy=True, position_ids=mb.position_ids)
     mask = mb.response_mask
-    loss, st = policy_loss(out.logp, mb.old_logp, mb.advantages, mask, rl.clip_low, rl.clip_high, denom)
+    old_logp = out.logp.detach() if mb.old_logp is None else mb.old_logp
+    loss, st = policy_loss(out.logp, old_logp, mb.advantages, mask, rl.clip_low, rl.clip_high, denom)
     entropy = masked_mean(out.entropy, mask, denom)
     stats = {"policy/clip_ratio": float(st["clip_ratio"]), "policy/approx_kl": float(st["approx_kl"]),
              "policy/entropy": float(entropy.detach())}
@@ -85,7 +103,7 @@ def micro_batch_loss(model, mb: PolicyBatch, rl: RLConfig, denom: float) -> tupl
     elif rl.kl_coef > 0:
         raise ValueError("rl.kl_coef > 0 needs PolicyBatch.ref_logp (reference-policy log-probs)")
     stats["policy/loss"] = float(loss.detach())
-    return loss, stats
+    return loss, stats, out
 
 
 def _finish_stats(acc: dict[str, float], grad_norm: float, lr: float) -> dict[str, float]:
@@ -97,8 +115,21 @@ def _finish_stats(acc: dict[str, float], grad_norm: float, lr: float) -> dict[st
     return out
 
 
-def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, before_micro=None) -> dict:
-    """Forward/backward every micro-batch; `backward(loss)` is the backend's backward."""
+OnForward = Callable[[int, PolicyBatch, ForwardOut], None]
+
+
+def detached(out: ForwardOut) -> ForwardOut:
+    """The forward's outputs without their autograd graph (what the drafter buffer receives)."""
+    return ForwardOut(*(None if t is None else t.detach() for t in (out.logp, out.entropy, out.aux, out.last_hidden)))
+
+
+def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, before_micro=None,
+                aux_layer_ids: list[int] | None = None, on_forward: OnForward | None = None) -> dict:
+    """Forward/backward every micro-batch; `backward(loss)` is the backend's backward.
+
+    `on_forward(start, micro_batch, outputs)` sees each micro-batch's detached forward (rows
+    start.. of `batch`, trimmed to the micro-batch's width), with hidden states at `aux_layer_ids`.
+    """
     if len(batch) == 0:
         raise ValueError("empty PolicyBatch: nothing to update (were all groups filtered out?)")
     denom = float(batch.response_mask.sum().clamp(min=1))
@@ -107,8 +138,11 @@ def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, b
     for i, start in enumerate(starts):
         if before_micro is not None:
             before_micro(i == len(starts) - 1)
-        loss, stats = micro_batch_loss(model, batch.slice(start, start + micro).trimmed(), rl, denom)
+        mb = batch.slice(start, start + micro).trimmed()
+        loss, stats, out = micro_batch_loss(model, mb, rl, denom, aux_layer_ids)
         backward(loss)
+        if on_forward is not None:
+            on_forward(start, mb, detached(out))
         for k, v in stats.items():
             acc[k] = acc.get(k, 0.0) + v
     return acc
@@ -122,12 +156,14 @@ class TorchUpdater:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(self.params, rl_cfg)
 
-    def step(self, batch: PolicyBatch) -> dict[str, float]:
-        """One optimizer step on the whole batch -> policy/* metrics."""
+    def step(self, batch: PolicyBatch, aux_layer_ids: list[int] | None = None,
+             on_forward: OnForward | None = None) -> dict[str, float]:
+        """One optimizer step on the whole batch -> policy/* metrics (on_forward: see `_accumulate`)."""
         was_training = self.model.training
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        acc = _accumulate(self.model, batch, self.rl, self.trainer.micro_batch_size, lambda loss: loss.backward())
+        acc = _accumulate(self.model, batch, self.rl, self.trainer.micro_batch_size, lambda loss: loss.backward(),
+                          aux_layer_ids=aux_layer_ids, on_forward=on_forward)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -209,13 +245,15 @@ class DeepSpeedUpdater:
                                                config=deepspeed_config(self.trainer))
         return self.engine
 
-    def step(self, batch: PolicyBatch) -> dict[str, float]:
-        """One optimizer step on the whole batch -> policy/* metrics."""
+    def step(self, batch: PolicyBatch, aux_layer_ids: list[int] | None = None,
+             on_forward: OnForward | None = None) -> dict[str, float]:
+        """One optimizer step on the whole batch -> policy/* metrics (on_forward: see `_accumulate`)."""
         engine = self._ensure_engine()
         was_training = self.model.training
         engine.train()
         acc = _accumulate(engine, batch, self.rl, self.trainer.micro_batch_size,
-                          lambda loss: engine.backward(loss), engine.set_gradient_accumulation_boundary)
+                          lambda loss: engine.backward(loss), engine.set_gradient_accumulation_boundary,
+                          aux_layer_ids=aux_layer_ids, on_forward=on_forward)
         # ZeRO 1/2 record the pre-clip norm; stage 0 clips without keeping it, so measure it here.
         grad_norm = _grad_norm(self.model.parameters()) if self.trainer.zero_stage == 0 else None
         engine.step()
