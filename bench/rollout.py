@@ -115,6 +115,24 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
             "response_length_mean": m["rollout/response_length/mean"]}
 
 
+def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
+    """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
+    on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
+    from tlt.drafter.corpus import vocab_coverage
+    from tlt.rollout.engine import measure_accept
+
+    d = cfg.drafter
+    n = d.warmstart_eval_prompts
+    held = task_prompts(cfg, tok, n) if prompts == "task" else encode_prompts(tok, n)
+    eng = RolloutEngine(model, r, eos_token_ids(tok, model), tok.pad_token_id, drafter=drafter)
+    greedy = measure_accept(eng, held, 0.0, d.eval_max_new_tokens, d.eval_strategy)
+    sampled = measure_accept(eng, held, cfg.rollout.temperature or 1.0, d.eval_max_new_tokens, d.eval_strategy)
+    reduced = drafter is not None and drafter.draft_vocab_size < drafter.vocab_size
+    return {"accept_len_greedy": greedy.accept_len, "accept_len_sampled": sampled.accept_len,
+            "vocab_coverage": vocab_coverage(drafter.t2d if reduced else None, greedy.responses),
+            "accept_strategy": d.eval_strategy.name, "accept_prompts": n}
+
+
 def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_tokens: int | None = None,
               reps: int = 2, grpo: bool = True, model_and_tokenizer=None, prompts: str = "generic") -> dict:
     """Run the benchmark for a RunConfig; returns the JSON-able result (see module docstring)."""
@@ -140,6 +158,10 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new,
               "threads": torch.get_num_threads(),
               "greedy_identical": identical, "rows": rows, "strategy": r.strategy.model_dump()}
+    result.update(accept_fields(cfg, model, tok, drafter, r, prompts))
+    print(f"accept length ({result['accept_strategy']}, tuner off, {result['accept_prompts']} prompts): "
+          f"greedy {result['accept_len_greedy']:.2f}, T={cfg.rollout.temperature} {result['accept_len_sampled']:.2f}, "
+          f"vocab coverage {result['vocab_coverage']:.3f}", flush=True)
     if grpo:
         n = cfg.rollout.prompts_per_step
         group = task_prompts(cfg, tok, n) if prompts == "task" else encode_prompts(tok, n, cfg.data.instruction)

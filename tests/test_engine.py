@@ -177,3 +177,93 @@ def test_spec_patience_delays_the_switch(model, patience):
 def test_plain_strategy_needs_both_zero():
     with pytest.raises(ValueError, match="both be 0"):
         SpecStrategy(depth=0, topk=1, tokens=4)
+
+
+def _exact_joint_eos(model, prompt, temperature, n_tokens, eos):
+    """Exact probability of every response of at most n_tokens that stops at `eos` (top_p 1)."""
+    from tlt.rollout.sampling import target_probs
+    live, mass, final = [()], torch.ones(1), {}
+    with torch.no_grad():
+        for _ in range(n_tokens):
+            ids = torch.tensor([prompt + list(s) for s in live])
+            p = target_probs(model(input_ids=ids).logits[:, -1], temperature, 1.0)  # [S, V]
+            nxt, nmass = [], []
+            for i, s in enumerate(live):
+                for t in range(p.shape[1]):
+                    q = float(mass[i] * p[i, t])
+                    if t == eos:
+                        final[s + (t,)] = q
+                    else:
+                        nxt.append(s + (t,))
+                        nmass.append(q)
+            live, mass = nxt, torch.tensor(nmass)
+    final.update({s: float(m) for s, m in zip(live, mass)})
+    return final
+
+
+def _tv_bound(dist: dict, n: int) -> float:
+    return 0.5 * sum(math.sqrt(p * (1 - p) / n) for p in dist.values()) + math.sqrt(math.log(1e4) / (2 * n))
+
+
+def _project(dist: dict, f) -> dict:
+    out = {}
+    for k, p in dist.items():
+        out[f(k)] = out.get(f(k), 0.0) + p
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_chain_with_drafter_q_is_exact(temperature):
+    """Chains sampled from the drafter's q and accepted with min(1, p/q) (residual max(0, p - q))
+    follow the policy exactly: a reduced draft vocabulary (d2t != 0), EOS inside accepted blocks,
+    three positions deep. TV of the (t1, t2) and (t2, t3) marginals within a sample-size bound."""
+    model = tiny_model("llama", layers=2, vocab=16, seed=3)
+    drafter = build_drafter(model, DrafterConfig(draft_vocab_size=8)).eval()
+    counts = torch.zeros(16, dtype=torch.long)
+    counts[torch.tensor([1, 4, 5, 7, 9, 11, 12, 14])] = 10  # draft ids != target ids: d2t != 0
+    drafter.set_vocab(counts)
+    assert bool((drafter.d2t != 0).any())
+    eos = 9  # inside the draft vocabulary: drafted, and accepted mid-block
+    prompt = [5, 6, 7, 5, 6, 8, 5, 6, 9, 3, 5, 6]
+    n = 4000
+    cfg = RolloutConfig(max_new_tokens=3, temperature=temperature, spec_threshold=n, tuner=False, drafter="eagle",
+                        strategy=SpecStrategy(depth=3, topk=1, tokens=3))
+    eng = RolloutEngine(model, cfg, eos_ids=[eos], pad_id=0, drafter=drafter)
+    out = eng.generate([prompt], group_size=n, temperature=temperature, seed=5, spec=True)
+    exact = _exact_joint_eos(model, prompt, temperature, 3, eos)
+    emp = {}
+    for r in out.response_ids:
+        emp[tuple(r)] = emp.get(tuple(r), 0) + 1 / n
+    assert any(r[-1] == eos and len(r) < 3 for r in out.response_ids)
+    for f in (lambda s: s[:2], lambda s: s[1:3]):
+        ex, em = _project(exact, f), _project(emp, f)
+        tv = 0.5 * sum(abs(em.get(k, 0) - p) for k, p in ex.items())
+        assert tv < _tv_bound(ex, n), (tv, _tv_bound(ex, n))
+    acc_pos = out.stats["accepted_pos"]
+    assert len(acc_pos) == 3 and acc_pos[2] > 0  # some rounds accepted all three drafts
+    assert 0 < sum(out.accepted) < sum(out.drafted)
+
+
+def test_chain_acceptance_rate_is_one_minus_tv():
+    """One draft x ~ q: the q rule accepts with rate sum(min(p, q)) = 1 - TV(p, q), above the point-mass
+    rate sum(q * p) when q is close to p; the bonus after a rejection follows norm(max(0, p - q))."""
+    from tlt.rollout.spec import DraftTree, accept_chain_sampled
+    from tlt.rollout.sampling import draw, reject_siblings
+
+    g = torch.Generator().manual_seed(0)
+    V, B = 6, 200_000
+    p = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+    q = torch.tensor([0.3, 0.3, 0.2, 0.1, 0.05, 0.05])
+    logits = torch.log(p).expand(B, 2, V).clone()  # root + 1 draft; T = 1
+    x = draw(q.expand(B, V), g)
+    tree = DraftTree(x[:, None], torch.zeros(B, 1, dtype=torch.long), torch.ones(B, 1, dtype=torch.long),
+                     torch.ones(B, 1, dtype=torch.bool))
+    _, n_acc, bonus = accept_chain_sampled(logits, tree, q.expand(B, 1, V), torch.arange(V), 1.0, 1.0, g)
+    rate = n_acc.float().mean().item()
+    assert abs(rate - torch.minimum(p, q).sum().item()) < 0.005
+    point, _, _ = reject_siblings(p.expand(B, V), x[:, None], torch.ones(B, 1, dtype=torch.bool), g)
+    assert abs(point.float().mean().item() - (p * q).sum().item()) < 0.005
+    assert rate > point.float().mean().item() + 0.3
+    out = torch.where(n_acc > 0, x, bonus)  # the emitted first token
+    emp = torch.bincount(out, minlength=V).float() / B
+    assert (emp - p).abs().max() < 0.005

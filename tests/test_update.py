@@ -14,7 +14,7 @@ PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
 RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30]]
 LR = 1e-3  # large enough that one step moves every parameter visibly
 # torch vs DeepSpeed after one AdamW step at lr 1e-3: measured max |diff| ~2e-7 (summation order).
-PARAM_ATOL = 1e-6
+PARAM_ATOL = 1e-5  # AdamW step 1 is lr*g/(|g|+eps): fp32 rounding in near-zero grads shows up ~1e-6
 
 
 @pytest.fixture(autouse=True)

@@ -55,39 +55,6 @@ class DataConfig(Stage):
     system_prompt: str | None = Field(None, description="Optional system message of the chat template")
 
 
-class DrafterConfig(Stage):
-    variant: Literal["eagle3", "eagle1"] = Field("eagle3", description="EAGLE-3 (3 fused layers, reduced vocab) or EAGLE-1")
-    draft_vocab_size: int = Field(2048, ge=0, description="Reduced draft vocabulary; 0 = the target's full vocabulary")
-    aux_layer_ids: list[int] | None = Field(None, description="Target hidden_states ids (low, mid, high); default 2, N//2, N-3")
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
-    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
-    loss_feature_weight: float = Field(1.0, ge=0, description="Weight of the SmoothL1 feature loss")
-    loss_token_weight: float = Field(0.1, ge=0, description="Weight of the soft cross-entropy loss")
-    ttt_steps: int = Field(1, ge=1, le=8, description="Training-time-test unroll steps (EAGLE-3); 1 = off")
-    feature_target: Literal["fused", "final"] = Field(
-        "fused", description="Feature-loss target of the fed-back h: the next position's fused aux "
-        "(what h replaces when drafting) or, TLT/EAGLE-1 style, the target's final hidden (on norm(h))")
-    train_on_prompt: bool = Field(True, description="Also learn the target's next-token distribution on prompt "
-                                  "positions (packed batches compute them anyway: more data at no cost)")
-    warmstart_prompts: int = Field(64, ge=1, description="Training prompts used for warm-start responses")
-    warmstart_max_new_tokens: int = Field(64, ge=1, description="Length of warm-start responses")
-    warmstart_epochs: int = Field(8, ge=1, description="Passes over the warm-start data")
-    batch_tokens: int = Field(2048, ge=64, description="Tokens per packed training batch")
-    warmstart_eval_prompts: int = Field(8, ge=1, description="Held-out prompts for accept-length reports")
-    refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (0 = frozen)")
-    refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per sequential refresh")
-    spot: bool = Field(True, description="Train the drafter in the rollout's idle tail (spot trainer process) "
-                       "instead of sequentially after the policy update")
-    spot_threads: int = Field(1, ge=1, description="Torch threads of the spot trainer process")
-    spot_checkpoint_every: int = Field(16, ge=0, description="The spot trainer saves its weights + optimizer every k "
-                                       "drafter steps (async; a preempted worker loses at most k steps; 0 = only "
-                                       "at the end of each tail)")
-    refresh_below_accept_len: float | None = Field(None, description="Also refresh when held-out accept length drops below this")
-    buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
-    buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
-
-
 class SpecStrategy(Stage):
     depth: int = Field(4, ge=0, le=16, description="Draft steps per round (0 = plain decoding, no draft)")
     topk: int = Field(1, ge=1, le=8, description="Branching of the draft tree (1 = chain)")
@@ -102,6 +69,60 @@ class SpecStrategy(Stage):
     @property
     def plain(self) -> bool:
         return self.depth == 0
+
+    @property
+    def name(self) -> str:
+        """'chain4', 'tree4x2t8' or 'plain': how reports name a strategy."""
+        if self.plain:
+            return "plain"
+        return f"chain{self.depth}" if self.topk == 1 else f"tree{self.depth}x{self.topk}t{self.tokens}"
+
+
+class DrafterConfig(Stage):
+    variant: Literal["eagle3", "eagle1"] = Field("eagle3", description="EAGLE-3 (3 fused layers, reduced vocab) or EAGLE-1")
+    draft_vocab_size: int = Field(2048, ge=0, description="Reduced draft vocabulary; 0 = the target's full vocabulary")
+    aux_layer_ids: list[int] | None = Field(None, description="Target hidden_states ids (low, mid, high); default 2, N//2, N-3")
+    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
+    loss_feature_weight: float = Field(0.0, ge=0, description="Weight of the SmoothL1 feature loss (EAGLE-3 drops it: 0; "
+                                       "EAGLE-1/TLT style > 0)")
+    loss_token_weight: float = Field(1.0, ge=0, description="Weight of the soft cross-entropy loss against the target")
+    ttt_steps: int = Field(4, ge=1, le=8, description="Training-time-test unroll steps (EAGLE-3); 1 = off")
+    ttt_decay: float = Field(0.8, gt=0, le=1, description="Weight of unroll step k is ttt_decay**k (normalised; "
+                             "SpecForge: 0.8)")
+    feature_target: Literal["fused", "final"] = Field(
+        "fused", description="Feature-loss target of the fed-back h: the next position's fused aux "
+        "(what h replaces when drafting) or, TLT/EAGLE-1 style, the target's final hidden (on norm(h))")
+    train_on_prompt: bool = Field(True, description="Also learn the target's next-token distribution on prompt "
+                                  "positions (packed batches compute them anyway), weighted by prompt_loss_weight")
+    prompt_loss_weight: float = Field(0.1, ge=0, le=1, description="Loss weight of a prompt position relative to a "
+                                      "response position (with train_on_prompt)")
+    corpus_tokens: int = Field(16384, ge=256, description="Response tokens of the self-distilled warm-start corpus "
+                               "(the target's own greedy + rollout-temperature answers to fresh task prompts)")
+    corpus_prompts_per_batch: int = Field(64, ge=1, description="Prompts per batched generate() while the corpus is built")
+    warmstart_max_new_tokens: int = Field(64, ge=1, description="Length cap of the corpus responses")
+    warmstart_epochs: int = Field(2, ge=1, description="Passes over the warm-start corpus")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Warm-start LR warmup share (then cosine decay to "
+                                "min_lr_ratio); online refreshes use the constant lr")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final warm-start LR as a share of lr")
+    batch_tokens: int = Field(2048, ge=64, description="Tokens per packed training batch")
+    warmstart_eval_prompts: int = Field(32, ge=1, description="Held-out prompts for accept-length reports")
+    eval_max_new_tokens: int = Field(48, ge=1, description="Tokens per prompt in accept-length reports")
+    eval_strategy: SpecStrategy = Field(default_factory=lambda: SpecStrategy(depth=4, topk=1, tokens=4),
+                                          description="The fixed strategy of accept-length reports (tuner off; "
+                                          "default: a depth-4 chain)")
+    refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (0 = frozen)")
+    refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per sequential refresh")
+    spot: bool = Field(True, description="Train the drafter in the rollout's idle tail (spot trainer process) "
+                       "instead of sequentially after the policy update")
+    spot_threads: int = Field(1, ge=1, description="Torch threads of the spot trainer process")
+    spot_checkpoint_every: int = Field(16, ge=0, description="The spot trainer saves its weights + optimizer every k "
+                                       "drafter steps (async; a preempted worker loses at most k steps; 0 = only "
+                                       "at the end of each tail)")
+    refresh_below_accept_len: float | None = Field(None, description="Also refresh when held-out accept length drops below this")
+    buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
+    buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
 
 
 class RolloutConfig(Stage):

@@ -57,7 +57,8 @@ class Pipeline:
         self.eos_ids: list[int] = []
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
-        self.eval_accept_len: dict[int, float] = {}  # step -> held-out accept length
+        self.eval_accept_len: dict[int, float] = {}  # step -> held-out accept length (greedy)
+        self.eval_accept_sampled: dict[int, float] = {}  # step -> at the rollout temperature
         self.champion: dict | None = None  # retrain: the registry's champion drafter version
         self.last_checkpoint: Path | None = None
 
@@ -191,6 +192,8 @@ class Pipeline:
         if self.drafter is not None and self.refresher is not None:
             summary.accept_len = self.heldout_accept_len()
             metrics["eval/accept_len"] = self.eval_accept_len[step] = summary.accept_len
+            metrics["eval/accept_len_sampled"] = self.eval_accept_sampled[step] = self.heldout_accept_len(
+                self.cfg.rollout.temperature or 1.0)
         self.tracker.log_metrics(metrics, step=step)
         self.evals.append((step, summary.accuracy))
         self.tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
@@ -211,13 +214,29 @@ class Pipeline:
             self.refresher = DrafterRefresher(DrafterTrainer(self.drafter, self.cfg.drafter, head), self.cfg.drafter)
         return int(state["step"]) + 1
 
-    def heldout_accept_len(self) -> float:
-        """Greedy SD at batch 1 over the first held-out prompts: mean tokens per target pass."""
-        from tlt.rollout.engine import accept_length
+    def heldout_accept_len(self, temperature: float = 0.0) -> float:
+        """Accept length on the first `drafter.warmstart_eval_prompts` held-out prompts: tuner off,
+        the fixed `drafter.eval_strategy`, `drafter.eval_max_new_tokens` each (warmstart.accept_report)."""
+        from tlt.drafter.warmstart import accept_report
 
-        d = self.cfg.drafter
-        prompts = self.prompt_ids(self.dataset.heldout["prompt"][: d.warmstart_eval_prompts])
-        return accept_length(self.engine, prompts, temperature=0.0, max_new_tokens=self.cfg.eval.max_new_tokens)
+        prompts = self.prompt_ids(self.dataset.heldout["prompt"][: self.cfg.drafter.warmstart_eval_prompts])
+        return accept_report(self.engine, prompts, self.cfg, temperature).accept_len
+
+    def build_corpus(self):
+        """The drafter's self-distilled warm-start corpus (tlt.drafter.corpus), logged as a dataset input."""
+        from tlt.drafter.corpus import build_corpus
+        from tlt.drafter.warmstart import fingerprint
+
+        ds = self.dataset
+        corpus = build_corpus(self.engine, self.prompt_ids, self.cfg, ds.train["prompt"].tolist(),
+                              ds.heldout["prompt"].tolist(), Path(self.cfg.model.cache_dir).parent / "corpora",
+                              fingerprint(self.model, []), capture=self.drafter.aux_layer_ids)
+        self.tracker.log_dataset(corpus.frame(), name="drafter-corpus", digest=corpus.key, source=str(corpus.path),
+                                 tags={"tokens": corpus.n_tokens, "sequences": len(corpus)})
+        self.tracker.log_metrics({"warmstart/corpus_tokens": corpus.n_tokens,
+                                  "warmstart/corpus_sequences": len(corpus),
+                                  "timing_s/corpus": corpus.build_s}, step=0)
+        return corpus
 
     def report(self) -> str:
         from tlt.report import log_report
@@ -231,14 +250,16 @@ class Pipeline:
         ds, d = self.dataset, self.cfg.drafter
         if self.champion is not None:  # retrain: start from the champion drafter, no warm-start
             return self._load_champion_drafter()
+        corpus = self.build_corpus()
         summary, trainer = warmstart(
-            self.model, self.drafter, self.engine, self.prompt_ids(ds.train["prompt"][: d.warmstart_prompts]),
+            self.model, self.drafter, self.engine, corpus,
             self.prompt_ids(ds.heldout["prompt"][: d.warmstart_eval_prompts]), self.cfg,
             Path(self.cfg.model.cache_dir).parent / "drafters", log=self.tracker.log_metrics)
         self.refresher = self._make_refresher(trainer)
         self.tracker.log_metrics({"warmstart/accept_len_before": summary.accept_len_before,
                                   "warmstart/accept_len_after": summary.accept_len_after,
-                                  "warmstart/accept_len_after_t1": summary.accept_len_after_t1 or 0.0,
+                                  "warmstart/accept_len_sampled": summary.accept_len_sampled or 0.0,
+                                  "warmstart/vocab_coverage": summary.vocab_coverage or 0.0,
                                   "warmstart/train_tokens": summary.n_tokens, "timing_s/warmstart": summary.time_s}, step=0)
         return summary
 
@@ -352,13 +373,18 @@ class Pipeline:
         accept_len = self.eval_accept_len.get(self.cfg.rl.steps)
         if accept_len is None:
             accept_len = self.heldout_accept_len()
+        sampled = self.eval_accept_sampled.get(self.cfg.rl.steps)
+        if sampled is None:
+            sampled = self.heldout_accept_len(self.cfg.rollout.temperature or 1.0)
         e = self.cfg.export
         out = Path(e.out_dir) if e.out_dir else self.run_dir / "drafter_export"
         export_eagle3(self.drafter, self.model.config, out, force=e.out_dir is None)
         self.tracker.log_artifacts(out, "drafter")
         version = None
         if e.register_model and hasattr(self.tracker, "register"):
-            tags = {"target": self.cfg.model.name_or_path, "accept_len": f"{accept_len:.3f}", "format": "eagle3",
+            tags = {"target": self.cfg.model.name_or_path, "accept_len": f"{accept_len:.3f}",
+                    "accept_len_sampled": f"{sampled:.3f}", "accept_strategy": self.cfg.drafter.eval_strategy.name,
+                    "format": "eagle3",
                     "policy_checkpoint": str(self.last_checkpoint.resolve()) if self.last_checkpoint else ""}
             version = self.tracker.register(e.model_name, "drafter", tags=tags)
         summary = ExportSummary(path=str(out), version=version, accept_len=accept_len, time_s=time.perf_counter() - t0)

@@ -36,7 +36,11 @@ class EvalSummary(BaseModel):
 class WarmstartSummary(BaseModel):
     accept_len_before: float
     accept_len_after: float
-    accept_len_after_t1: float | None = None
+    accept_len_sampled: float | None = None  # at the rollout temperature
+    vocab_coverage: float | None = None      # share of held-out greedy tokens inside the draft vocabulary
+    corpus_key: str = ""
+    corpus_tokens: int = 0
+    corpus_sequences: int = 0
     n_samples: int
     n_tokens: int
     train_steps: int

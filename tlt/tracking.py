@@ -46,6 +46,8 @@ class NullTracker:
     def log_figure(self, fig: Any, path: str) -> None: ...
     def log_table(self, rows: list[dict], path: str) -> None: ...
     def log_artifacts(self, local_dir: str | Path, path: str | None = None) -> None: ...
+    def log_dataset(self, df: Any, name: str, digest: str, source: str, context: str = "train",
+                    tags: dict[str, str] | None = None) -> None: ...
     def end(self, status: str = "FINISHED") -> None: ...
 
 
@@ -243,6 +245,25 @@ class MlflowTracker(NullTracker):
 
         self._send_artifact(lambda: self.client.log_artifacts(self.run_id, str(local_dir), path),
                             Path(local_dir).name, path, lambda dst: shutil.copytree(local_dir, dst))
+
+    def log_dataset(self, df: Any, name: str, digest: str, source: str, context: str = "train",
+                    tags: dict[str, str] | None = None) -> None:
+        """A DataFrame as an MLflow dataset input of the run (`mlflow.data`: name, digest, schema,
+        profile, source), with `mlflow.data.context` = context and extra tags. Best effort: a store
+        outage logs a warning instead (the dataset is a record, not a result)."""
+        import logging
+
+        import mlflow
+        from mlflow.entities import DatasetInput, InputTag
+
+        try:
+            ds = mlflow.data.from_pandas(df, source=source, name=name, digest=digest)
+            itags = [InputTag("mlflow.data.context", context)] + [InputTag(k, str(v)) for k, v in (tags or {}).items()]
+            self.client.log_inputs(self.run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), tags=itags)])
+        except Exception as err:  # noqa: BLE001 - see docstring
+            if not _transient(err):
+                raise
+            logging.getLogger(__name__).warning("could not log dataset %s to MLflow: %s", name, err)
 
     def artifact_uri(self, path: str = "") -> str:
         base = self.client.get_run(self.run_id).info.artifact_uri

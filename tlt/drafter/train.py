@@ -3,11 +3,17 @@
 A *sample* is one sequence as the target saw it (nothing shifted):
     input_ids [T] long, aux [T,3H_t] (cat of the target's hidden_states at aux ids),
     target_hidden [T,H] (hidden_states[-1], i.e. after the target's final norm), loss_mask [T]
-    bool (True on response tokens).
+    bool (True on response tokens), optionally loss_weight [T] float (the weight of the position
+    whose token it is; default loss_mask: 1 on trained tokens, 0 elsewhere).
 Drafter position t sees fuse(aux_t) and token_{t+1} and predicts token_{t+2}, whose target
 distribution is softmax(lm_head(target_hidden_{t+1})) -- recomputed here from the stored
 hidden, never by another target forward. Position t is trained iff token_{t+2} is a response
-token (so the drafter learns exactly the distributions the rollout drafts against).
+token (so the drafter learns exactly the distributions the rollout drafts against), with the
+weight of token_{t+2} (prompt tokens can be kept at a lower weight).
+
+Loss (EAGLE-3 as practised, SpecForge): soft cross-entropy against the target's distribution over
+`ttt_steps` unrolled draft steps (training-time test), step k weighted ttt_decay**k; the feature
+regression below is off by default (`loss_feature_weight: 0`, EAGLE-3 dropped it).
 
 Feature loss (documented choice, `DrafterConfig.feature_target`):
   * "fused" (default): SmoothL1(h_t, stopgrad(fuse(aux_{t+1}))). h_t is fed back as the next
@@ -20,6 +26,7 @@ Feature loss (documented choice, `DrafterConfig.feature_target`):
 from __future__ import annotations
 
 import copy
+import math
 import random
 
 import torch
@@ -36,7 +43,9 @@ def _shift(sample: Sample) -> dict[str, Tensor]:
     """Per-position training fields of one sample (length T, zero/False past the ends)."""
     ids, mask, th = sample["input_ids"], sample["loss_mask"].bool(), sample["target_hidden"]
     T = ids.shape[0]
+    w = sample["loss_weight"].float() * mask if "loss_weight" in sample else mask.float()
     return {
+        "loss_weight": torch.cat([w[2:], w.new_zeros(min(2, T))])[:T],
         "input_ids": torch.cat([ids[1:], ids.new_zeros(1)]),                      # token_{t+1}
         "aux": sample["aux"],                                                      # aux_t
         "target_hidden": torch.cat([th[1:], th.new_zeros(1, th.shape[1])]),        # target_hidden_{t+1}
@@ -53,14 +62,14 @@ def _collate(rows: list[list[Sample]]) -> dict[str, Tensor]:
     B = len(rows)
     out = {"input_ids": torch.zeros(B, L, dtype=torch.long), "position_ids": torch.zeros(B, L, dtype=torch.long),
            "seq_ids": torch.full((B, L), -1, dtype=torch.long), "loss_mask": torch.zeros(B, L, dtype=torch.bool),
-           "aux": torch.zeros(B, L, A), "target_hidden": torch.zeros(B, L, H)}
+           "aux": torch.zeros(B, L, A), "target_hidden": torch.zeros(B, L, H), "loss_weight": torch.zeros(B, L)}
     i = 0
     for b, row in enumerate(rows):
         start = 0
         for j, _ in enumerate(row):
             f, i = fields[i], i + 1
             T = f["input_ids"].shape[0]
-            for k in ("input_ids", "position_ids", "loss_mask"):
+            for k in ("input_ids", "position_ids", "loss_mask", "loss_weight"):
                 out[k][b, start:start + T] = f[k]
             out["aux"][b, start:start + T] = f["aux"].float()
             out["target_hidden"][b, start:start + T] = f["target_hidden"].float()
@@ -69,17 +78,21 @@ def _collate(rows: list[list[Sample]]) -> dict[str, Tensor]:
     return out
 
 
-def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None = None) -> list[dict[str, Tensor]]:
+ROW_TOKENS = 256  # packed row capacity: attention is dense per row, so short rows cost less
+
+
+def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None = None,
+         row_tokens: int = ROW_TOKENS) -> list[dict[str, Tensor]]:
     """Pack samples into rows (first-fit decreasing), rows into batches of ~batch_tokens tokens.
 
-    Row capacity is max(longest sample, min(batch_tokens, 1024)): attention is dense per row,
-    so rows are kept short and stacked. Each batch: input_ids/position_ids/seq_ids/loss_mask
+    Row capacity is max(longest sample, min(batch_tokens, row_tokens)): attention (and the
+    training-time test's (k+1)L keys) is dense per row, so rows are kept short and stacked. Each batch: input_ids/position_ids/seq_ids/loss_mask
     [B,L], aux [B,L,3H_t], target_hidden [B,L,H] (already shifted, see `_shift`).
     """
     if not samples:
         return []
     lengths = [s["input_ids"].shape[0] for s in samples]
-    cap = max(max(lengths), min(batch_tokens, 1024))
+    cap = max(max(lengths), min(batch_tokens, row_tokens))
     rows: list[list[Sample]] = []
     room: list[int] = []
     for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
@@ -123,6 +136,32 @@ class DrafterTrainer:
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.num_steps = 0
+        self._schedule: tuple[int, int, int] | None = None  # (first step, warmup steps, total steps)
+
+    def schedule(self, total_steps: int) -> None:
+        """Linear warmup (`cfg.warmup_ratio`) then cosine decay to `cfg.min_lr_ratio` * lr over the
+        next `total_steps` optimizer steps (the warm-start); `constant_lr()` ends it."""
+        self._schedule = (self.num_steps, int(round(self.cfg.warmup_ratio * total_steps)), max(1, total_steps))
+
+    def constant_lr(self) -> None:
+        """Back to the constant `cfg.lr` (online refreshes)."""
+        self._schedule = None
+        self._set_lr(self.cfg.lr)
+
+    def lr_now(self) -> float:
+        if self._schedule is None:
+            return self.cfg.lr
+        first, warm, total = self._schedule
+        i = self.num_steps - first
+        if i < warm:
+            return self.cfg.lr * (i + 1) / (warm + 1)
+        frac = min(1.0, (i - warm) / max(1, total - warm))
+        lo = self.cfg.min_lr_ratio
+        return self.cfg.lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def _set_lr(self, lr: float) -> None:
+        for g in self.opt.param_groups:
+            g["lr"] = lr
 
     def _targets(self, target_hidden: Tensor) -> tuple[Tensor, Tensor]:
         """target_hidden [N,H] -> (probs over the draft vocab [N,Vd] renormalised, target argmax [N]).
@@ -139,29 +178,34 @@ class DrafterTrainer:
         return probs, argmax
 
     def _step_loss(self, h: Tensor, logits: Tensor, feat_target: Tensor, probs: Tensor,
-                   argmax: Tensor, sel: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Losses of one unroll step on the N positions sel [B,L]; probs [N,Vd] and argmax [N] are theirs."""
+                   argmax: Tensor, sel: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Losses of one unroll step on the N positions sel [B,L]; probs [N,Vd], argmax [N] and
+        weight [N] are theirs (token loss and top-1 accuracy are weighted means)."""
         if self.cfg.feature_target == "final":
             pred = self.drafter.norm(h[sel])
         else:
             pred = h[sel]
         loss_f = F.smooth_l1_loss(pred.float(), feat_target.float())
         logp = torch.log_softmax(logits[sel].float(), dim=-1)
-        loss_t = -(probs * logp).sum(-1).mean()
-        acc = (self.drafter.to_target_ids(logits[sel].argmax(-1)) == argmax).float().mean()
+        wsum = weight.sum().clamp_min(1e-9)
+        loss_t = (-(probs * logp).sum(-1) * weight).sum() / wsum
+        acc = ((self.drafter.to_target_ids(logits[sel].argmax(-1)) == argmax).float() * weight).sum() / wsum
         return loss_f, loss_t, acc, sel.sum()
 
     def compute_loss(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, float]]:
-        """Unroll `cfg.ttt_steps` draft steps over a packed batch; mean of the per-step losses."""
+        """Unroll `cfg.ttt_steps` draft steps over a packed batch; per-step losses weighted ttt_decay**k."""
         d = self.drafter
         dev = d.fc.weight.device
         b = {k: v.to(dev) for k, v in batch.items()}
-        mask, pos = b["loss_mask"], b["position_ids"]
+        pos = b["position_ids"]
+        wpos = b["loss_weight"] if "loss_weight" in b else b["loss_mask"].float()
+        mask = b["loss_mask"] & (wpos > 0)
         fused = d.fuse(b["aux"])  # [B,L,H]
         next_fused = torch.roll(fused, -1, dims=1).detach()  # fuse(aux_{t+1}); valid where mask
         # Target distributions are the same for every unroll step: compute them once.
         all_probs, all_argmax = self._targets(b["target_hidden"][mask])
-        hidden, past, metrics, total, done = fused, None, {}, 0.0, 0
+        hidden, past, metrics, total, wsum = fused, None, {}, 0.0, 0.0
+        all_w = wpos[mask]
         for k in range(self.cfg.ttt_steps):
             key_mask = ttt_mask(b["seq_ids"], k)
             h, logits, cache = d(b["input_ids"], hidden, pos, past=past, key_mask=key_mask)
@@ -171,17 +215,18 @@ class DrafterTrainer:
             keep = (pos >= k)[mask]  # the step-k subset of the masked positions
             probs, argmax = all_probs[keep], all_argmax[keep]
             feat = b["target_hidden"][sel] if self.cfg.feature_target == "final" else next_fused[sel]
-            loss_f, loss_t, acc, n = self._step_loss(h, logits, feat, probs, argmax, sel)
-            total = total + self.cfg.loss_feature_weight * loss_f + self.cfg.loss_token_weight * loss_t
+            loss_f, loss_t, acc, n = self._step_loss(h, logits, feat, probs, argmax, sel, all_w[keep])
+            wk = self.cfg.ttt_decay ** k
+            total = total + wk * (self.cfg.loss_feature_weight * loss_f + self.cfg.loss_token_weight * loss_t)
+            wsum += wk
             if k == 0:
                 metrics.update({"drafter/loss_feature": loss_f.item(), "drafter/loss_token": loss_t.item(),
                                 "drafter/top1_acc": acc.item(), "drafter/tokens": float(n)})
             metrics[f"drafter/top1_acc_step{k}"] = acc.item()
-            done += 1
             # Next step: h from position p-1 becomes the hidden at p; keys of all steps so far stay.
             hidden = torch.roll(h, 1, dims=1)
             past = cache
-        loss = total / max(1, done)
+        loss = total / wsum if wsum else total
         metrics["drafter/loss"] = float(loss.detach()) if torch.is_tensor(loss) else 0.0
         return loss, metrics
 
@@ -192,6 +237,9 @@ class DrafterTrainer:
         if not torch.is_tensor(loss) or not loss.requires_grad:
             return metrics  # no response positions in this batch
         self.opt.zero_grad(set_to_none=True)
+        if self._schedule is not None:
+            self._set_lr(self.lr_now())
+            metrics["drafter/lr"] = self.opt.param_groups[0]["lr"]
         loss.backward()
         metrics["drafter/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         self.opt.step()

@@ -1,9 +1,11 @@
-"""Warm-start the drafter on the target's own responses before RL (TLT: drafter section).
+"""Warm-start the drafter on the target's self-distilled corpus before RL (TLT: drafter section).
 
-Responses come from the target (one greedy and one sampled at the rollout temperature per
-prompt, so the drafter sees both regimes it will draft for); one batched target forward over
-prompt + response gives the hidden states and the next-token distributions it learns from.
-The result is cached by a hash of (target weights, prompts, drafter and rollout config).
+The corpus (tlt.drafter.corpus) holds the target's own greedy and rollout-temperature answers
+to fresh task prompts; one batched target forward over prompt + response gives the hidden
+states and next-token distributions the drafter learns from (EAGLE-3 loss, training-time test,
+warmup + cosine LR). The draft vocabulary is the corpus' most frequent response tokens. The
+result is cached by a hash of (target weights, corpus, drafter config). Accept lengths are
+measured with the tuner off and the fixed `drafter.eval_strategy` (engine.measure_accept).
 """
 from __future__ import annotations
 
@@ -16,21 +18,23 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, pack
-from tlt.rollout.engine import accept_length
+from tlt.drafter.corpus import Corpus, vocab_coverage
+from tlt.drafter.train import DrafterTrainer, Sample, collect_samples, pack
+from tlt.rollout.engine import measure_accept
 from tlt.summaries import WarmstartSummary
 
 
 # The inputs a warm-start reads: runs that differ only elsewhere (spot, refresh, SD) share a cache entry.
 _DRAFTER_KEYS = {"variant", "draft_vocab_size", "aux_layer_ids", "lr", "weight_decay", "grad_clip",
-                 "loss_feature_weight", "loss_token_weight", "ttt_steps", "feature_target", "train_on_prompt",
-                 "warmstart_prompts", "warmstart_max_new_tokens", "warmstart_epochs", "batch_tokens"}
+                 "loss_feature_weight", "loss_token_weight", "ttt_steps", "ttt_decay", "feature_target",
+                 "train_on_prompt", "prompt_loss_weight", "warmstart_epochs", "warmup_ratio", "min_lr_ratio",
+                 "batch_tokens", "warmstart_eval_prompts", "eval_max_new_tokens", "eval_strategy"}
 
 
-def cache_key(model, prompts: list[list[int]], cfg) -> str:
-    inputs = {"drafter": cfg.drafter.model_dump(include=_DRAFTER_KEYS), "temperature": cfg.rollout.temperature,
-              "top_p": cfg.rollout.top_p, "seed": cfg.rl.seed, "eval_max_new_tokens": cfg.eval.max_new_tokens}
-    return fingerprint(model, prompts, json.dumps(inputs, sort_keys=True))
+def cache_key(model, corpus_key: str, cfg) -> str:
+    inputs = {"drafter": cfg.drafter.model_dump(include=_DRAFTER_KEYS), "corpus": corpus_key,
+              "temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p, "seed": cfg.rl.seed, "version": 2}
+    return fingerprint(model, [], json.dumps(inputs, sort_keys=True))
 
 
 def fingerprint(model, prompts: list[list[int]], *texts: str) -> str:
@@ -46,55 +50,91 @@ def fingerprint(model, prompts: list[list[int]], *texts: str) -> str:
     return h.hexdigest()[:16]
 
 
-def _responses(engine, prompts, cfg) -> tuple[list[list[int]], list[int]]:
-    seqs, plens = [], []
-    for temp in (0.0, cfg.rollout.temperature or 1.0):
-        out = engine.generate(prompts, max_new_tokens=cfg.drafter.warmstart_max_new_tokens, temperature=temp,
-                              top_p=cfg.rollout.top_p, seed=cfg.rl.seed, spec=False)
-        seqs += [list(p) + list(r) for p, r in zip(out.prompt_ids, out.response_ids)]
-        plens += [len(p) for p in out.prompt_ids]
-    return seqs, plens
+def accept_report(engine, prompts, cfg, temperature: float):
+    """The honest accept length of the engine's drafter on `prompts` (tuner off, fixed strategy)."""
+    d = cfg.drafter
+    return measure_accept(engine, prompts, temperature=temperature, max_new_tokens=d.eval_max_new_tokens,
+                          strategy=d.eval_strategy)
 
 
-def _accept(engine, prompts, cfg, temperature) -> float:
-    return accept_length(engine, prompts, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens)
+def corpus_samples(model, corpus: Corpus, aux_ids: list[int], cfg, batch: int = 128) -> list[Sample]:
+    """Target features of every corpus sequence: those captured while it was generated, else one
+    batched no-grad forward per 16 sequences.
+
+    Response tokens weigh 1; with `train_on_prompt` prompt tokens weigh `prompt_loss_weight`.
+    """
+    d = cfg.drafter
+    seqs = [p + r for p, r in zip(corpus.prompt_ids, corpus.response_ids)]
+    plens = [len(p) for p in corpus.prompt_ids]
+    out: list[Sample] = []
+    if corpus.features is not None:
+        out = [{"input_ids": torch.tensor(s, dtype=torch.long), "aux": a, "target_hidden": f,
+                "loss_mask": torch.arange(len(s)) >= n} for s, n, (a, f) in zip(seqs, plens, corpus.features)]
+    for i in tqdm(range(0, len(seqs), batch), desc="drafter features", unit="chunk", disable=bool(out)):
+        out += collect_samples(model, seqs[i:i + batch], plens[i:i + batch], aux_ids, batch_size=16)
+    if d.train_on_prompt and d.prompt_loss_weight > 0:
+        for s in out:
+            resp = s["loss_mask"]
+            s["loss_weight"] = torch.where(resp, 1.0, d.prompt_loss_weight)
+            s["loss_mask"] = torch.arange(len(resp)) >= 1
+    return out
 
 
-def warmstart(model, drafter, engine, train_prompts: list[list[int]], heldout_prompts: list[list[int]],
-              cfg, cache_root: Path, log=lambda metrics, step: None) -> tuple[WarmstartSummary, DrafterTrainer]:
-    """Train `drafter` in place on target responses; returns the summary and the trainer (optimizer state)."""
-    t0 = time.perf_counter()
-    prompts = train_prompts[: cfg.drafter.warmstart_prompts]
-    evalp = heldout_prompts[: cfg.drafter.warmstart_eval_prompts]
-    head = model.get_output_embeddings().weight
-    key = cache_key(model, prompts, cfg)
-    cache = Path(cache_root) / key
-    if (cache / "summary.json").exists():
-        drafter.load_state_dict(load_file(cache / "drafter.safetensors"), strict=True)
-        summary = WarmstartSummary.model_validate_json((cache / "summary.json").read_text())
-        summary = summary.model_copy(update={"cached": True, "time_s": time.perf_counter() - t0})
-        trainer = DrafterTrainer(drafter, cfg.drafter, head)
-        if (cache / "optimizer.pt").exists():  # same optimizer state as on a miss
-            trainer.opt.load_state_dict(torch.load(cache / "optimizer.pt", weights_only=True))
-        return summary, trainer
-    before = _accept(engine, evalp, cfg, 0.0)
-    seqs, plens = _responses(engine, prompts, cfg)
-    if cfg.drafter.train_on_prompt:  # every position after the first is a training position
-        plens = [1] * len(seqs)
-    samples = collect_samples(model, seqs, plens, drafter.aux_layer_ids)
-    if drafter.draft_vocab_size < drafter.vocab_size:
-        drafter.set_vocab(count_tokens(samples, drafter.vocab_size))
+def response_counts(corpus: Corpus, vocab_size: int) -> torch.Tensor:
+    """[V] counts of the corpus' response tokens (the draft vocabulary is built from these)."""
+    toks = torch.tensor([t for r in corpus.response_ids for t in r], dtype=torch.long)
+    return torch.bincount(toks, minlength=vocab_size)[:vocab_size]
+
+
+def _restore(drafter, cache: Path, cfg, head, t0: float) -> tuple[WarmstartSummary, DrafterTrainer]:
+    drafter.load_state_dict(load_file(cache / "drafter.safetensors"), strict=True)
+    summary = WarmstartSummary.model_validate_json((cache / "summary.json").read_text())
+    summary = summary.model_copy(update={"cached": True, "time_s": time.perf_counter() - t0})
     trainer = DrafterTrainer(drafter, cfg.drafter, head)
+    if (cache / "optimizer.pt").exists():  # same optimizer state as on a miss
+        trainer.opt.load_state_dict(torch.load(cache / "optimizer.pt", weights_only=True))
+    trainer.constant_lr()
+    return summary, trainer
+
+
+def warmstart(model, drafter, engine, corpus: Corpus, heldout_prompts: list[list[int]],
+              cfg, cache_root: Path, log=lambda metrics, step: None) -> tuple[WarmstartSummary, DrafterTrainer]:
+    """Train `drafter` in place on the corpus; returns the summary and the trainer (optimizer state)."""
+    t0 = time.perf_counter()
+    d = cfg.drafter
+    evalp = heldout_prompts[: d.warmstart_eval_prompts]
+    head = model.get_output_embeddings().weight
+    cache = Path(cache_root) / cache_key(model, corpus.key, cfg)
+    if (cache / "summary.json").exists():
+        return _restore(drafter, cache, cfg, head, t0)
+    before = accept_report(engine, evalp, cfg, 0.0).accept_len
+    if drafter.draft_vocab_size < drafter.vocab_size:
+        drafter.set_vocab(response_counts(corpus, drafter.vocab_size))
+    samples = corpus_samples(model, corpus, drafter.aux_layer_ids, cfg)
+    trainer = DrafterTrainer(drafter, d, head)
+    n_batches = len(pack(samples, d.batch_tokens))
+    trainer.schedule(n_batches * d.warmstart_epochs)
     step = 0
-    for epoch in tqdm(range(cfg.drafter.warmstart_epochs), desc="drafter warm-start", unit="epoch"):
-        for batch in pack(samples, cfg.drafter.batch_tokens, shuffle_seed=cfg.rl.seed + epoch):
-            log({f"warmstart/{k.split('/', 1)[1]}": v for k, v in trainer.step(batch).items()}, step)
+    bar = tqdm(total=n_batches * d.warmstart_epochs, desc="drafter warm-start", unit="step")
+    for epoch in range(d.warmstart_epochs):
+        for batch in pack(samples, d.batch_tokens, shuffle_seed=cfg.rl.seed + epoch):
+            m = trainer.step(batch)
+            log({f"warmstart/{k.split('/', 1)[1]}": v for k, v in m.items()}, step)
+            bar.set_postfix(loss=f"{m.get('drafter/loss', 0):.3f}", acc=f"{m.get('drafter/top1_acc', 0):.2f}")
+            bar.update(1)
             step += 1
+    bar.close()
+    trainer.constant_lr()
+    greedy = accept_report(engine, evalp, cfg, 0.0)
+    sampled = accept_report(engine, evalp, cfg, cfg.rollout.temperature or 1.0)
     summary = WarmstartSummary(
-        accept_len_before=before, accept_len_after=_accept(engine, evalp, cfg, 0.0),
-        accept_len_after_t1=_accept(engine, evalp, cfg, 1.0), n_samples=len(samples),
-        n_tokens=int(sum(int(s["loss_mask"].sum()) for s in samples)), train_steps=step,
-        time_s=time.perf_counter() - t0, path=str(cache))
+        accept_len_before=before, accept_len_after=greedy.accept_len, accept_len_sampled=sampled.accept_len,
+        vocab_coverage=vocab_coverage(drafter.t2d if drafter.draft_vocab_size < drafter.vocab_size else None,
+                                      greedy.responses),
+        corpus_key=corpus.key, corpus_tokens=corpus.n_tokens, corpus_sequences=len(corpus),
+        n_samples=len(samples), n_tokens=int(sum(int((s["loss_weight"] >= 1).sum()) if "loss_weight" in s
+                                                 else int(s["loss_mask"].sum()) for s in samples)),
+        train_steps=step, time_s=time.perf_counter() - t0, path=str(cache))
     cache.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in drafter.trainable_state_dict().items()}, cache / "drafter.safetensors")
     torch.save(trainer.opt.state_dict(), cache / "optimizer.pt")

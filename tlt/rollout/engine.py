@@ -11,6 +11,8 @@ Finished sequences leave the batch (their cache rows are dropped).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+
 import torch
 
 from tlt.config import RolloutConfig, SpecStrategy
@@ -43,23 +45,33 @@ class RolloutEngine:
         self.on_tail = None
 
     # ---- target forward ------------------------------------------------------------------
-    def forward(self, ids, pos, mask, cache, keep_last: bool = False, hidden: bool = False):
-        """ids/pos [B,Q], mask [B,1,Q,S+Q] bool -> (logits [B,Q|1,V] float, fused drafter hidden [B,Q,Hd] | None)."""
+    def forward(self, ids, pos, mask, cache, keep_last: bool = False, hidden: bool = False, capture=None):
+        """ids/pos [B,Q], mask [B,1,Q,S+Q] bool -> (logits [B,Q|1,V] float, fused drafter hidden [B,Q,Hd] | None).
+
+        capture: a `Capture` that records the raw target features (aux layers, final hidden) of these positions.
+        """
         self.forward_calls += 1
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache,
-                         use_cache=True, logits_to_keep=1 if keep_last else 0, output_hidden_states=hidden)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
+                         logits_to_keep=1 if keep_last else 0, output_hidden_states=hidden or capture is not None)
         fused = None
         if hidden:
             aux = self.drafter.gather_aux(out.hidden_states, self.drafter.aux_layer_ids)
             fused = self.drafter.fuse(aux)
+        if capture is not None:
+            capture.last_hs = out.hidden_states
         return out.logits, fused
 
     # ---- public API ----------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None) -> RolloutBatch:
+                 spec: bool | None = None, capture: list[int] | None = None) -> RolloutBatch:
         """Sample `group_size` responses per prompt.
+
+        capture: target hidden-state ids (HF `hidden_states` indices, e.g. a drafter's aux ids):
+        the batch then carries `features`, per sequence (aux [T,len*H], final hidden [T,H]) over
+        prompt + response, recorded by the decode forwards themselves (no second forward; the
+        last response token, never fed, gets zeros). Plain decoding only (spec must be off).
 
         Returns a `RolloutBatch` with len(prompts) * group_size sequences, group-major
         (sequence i belongs to prompt i // group_size). `logprobs` are the policy log-probs of
@@ -71,9 +83,13 @@ class RolloutEngine:
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
         use_spec = cfg.spec if spec is None else spec
+        if capture is not None and use_spec:
+            raise ValueError("generate(capture=...) records plain decoding only: pass spec=False")
         gen = torch.Generator(device=self.device).manual_seed(seed)
         t0 = time.perf_counter()
         outs = Outputs.empty(len(prompts) * group_size, opts["max_new"], self.device)
+        if capture is not None:
+            outs.capture = Capture(list(capture))
         st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
         self._retire(st, outs)
         in_tail, below = False, 0
@@ -94,7 +110,10 @@ class RolloutEngine:
                 outs.stats["tail_time_s"] += dt
             self._retire(st, outs)
         outs.stats["time_s"] = time.perf_counter() - t0
-        return outs.to_batch(prompts, group_size)
+        batch = outs.to_batch(prompts, group_size)
+        if outs.capture is not None:
+            batch.features = outs.capture.sequences(prompts, group_size, batch.response_ids)
+        return batch
 
     # ---- steps ---------------------------------------------------------------------------
     def _prefill(self, prompts, group_size, opts, gen, outs, keep_aux: bool) -> DecodeState:
@@ -109,7 +128,10 @@ class RolloutEngine:
         pos = (valid.long().cumsum(1) - 1).clamp_min(0)
         n_layers = self.model.config.num_hidden_layers
         cache = SlotCache(n_layers, reserve=width + opts["max_new"] + 72)
-        logits, fused = self.forward(ids, pos, prefill_mask(valid), cache, keep_last=True, hidden=keep_aux)
+        logits, fused = self.forward(ids, pos, prefill_mask(valid), cache, keep_last=True, hidden=keep_aux,
+                                     capture=outs.capture)
+        if outs.capture is not None:
+            outs.capture.add_prompts(valid, len(prompts) * group_size, opts["max_new"])
         cache.valid = valid
         if group_size > 1:
             cache.repeat_rows(group_size)
@@ -132,7 +154,9 @@ class RolloutEngine:
         ids, pos = st.last[:, None], st.pos[:, None]
         ones = torch.ones(st.size, 1, dtype=torch.bool, device=self.device)
         mask = block_mask(st.cache.valid, ones[:, :, None])
-        logits, fused = self.forward(ids, pos, mask, st.cache, hidden=st.pending is not None)
+        logits, fused = self.forward(ids, pos, mask, st.cache, hidden=st.pending is not None, capture=outs.capture)
+        if outs.capture is not None:  # features of `last`, response token n_out - 1 of each row
+            outs.capture.add_step(st.rows, st.n_out - 1)
         logits = logits[:, -1]
         tok = sample(logits, opts["temperature"], opts["top_p"], gen)
         st.cache.valid = torch.cat([st.cache.valid, ones], 1)
@@ -171,22 +195,82 @@ class RolloutEngine:
                 st.cache.compact()
 
 
-def accept_length(engine: RolloutEngine, prompts: list[list[int]], temperature: float = 0.0,
-                  max_new_tokens: int = 64, strategy: SpecStrategy | None = None) -> float:
-    """Mean tokens per target pass of speculative decoding at batch 1 over `prompts`.
+class Capture:
+    """Raw target features recorded during plain decoding (see `RolloutEngine.generate(capture=)`)."""
 
-    Runs every prompt alone with SD forced on (threshold >= 1); prefill passes are not counted.
+    def __init__(self, ids: list[int]):
+        self.ids, self.last_hs = ids, None
+        self.prompt: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.aux = self.fin = None
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        hs, self.last_hs = self.last_hs, None
+        return torch.cat([hs[i] for i in self.ids], -1).float(), hs[-1].float()
+
+    def add_prompts(self, valid: torch.Tensor, n_seq: int, max_new: int) -> None:
+        aux, fin = self._take()
+        self.prompt = [(aux[u, valid[u]].cpu(), fin[u, valid[u]].cpu()) for u in range(aux.shape[0])]
+        self.aux = torch.zeros(n_seq, max_new, aux.shape[-1])
+        self.fin = torch.zeros(n_seq, max_new, fin.shape[-1])
+
+    def add_step(self, rows: torch.Tensor, idx: torch.Tensor) -> None:
+        aux, fin = self._take()
+        r, c = rows.cpu(), idx.cpu()
+        self.aux[r, c] = aux[:, -1].cpu()
+        self.fin[r, c] = fin[:, -1].cpu()
+
+    def sequences(self, prompts, group_size: int, responses) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for i, resp in enumerate(responses):
+            pa, pf = self.prompt[i // group_size]
+            n = len(resp)
+            out.append((torch.cat([pa, self.aux[i, :n]]), torch.cat([pf, self.fin[i, :n]])))
+        return out
+
+
+@dataclass
+class AcceptReport:
+    """Accept length of a fixed strategy: tokens emitted per target verify pass (prefill excluded)."""
+
+    accept_len: float
+    tokens: int
+    passes: int
+    responses: list[list[int]]
+
+
+def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature: float = 0.0,
+                   max_new_tokens: int = 48, strategy: SpecStrategy | None = None,
+                   batch_size: int = 8) -> AcceptReport:
+    """Accept length with the tuner OFF and one fixed, named strategy (default: a depth-4 chain).
+
+    Every round of every prompt is a speculative round of `strategy` (threshold >= batch, no
+    patience, no confidence pruning), so the number depends on the drafter and the prompts only,
+    not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
+    per-row accept length does not depend on the batch); the engine's config and tuner are
+    restored afterwards. `responses` are the outputs (greedy SD is lossless: the target's own).
     """
+    strategy = strategy or SpecStrategy(depth=4, topk=1, tokens=4)
+    if strategy.plain:
+        raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
+    old_cfg, old_tuner = engine.cfg, engine.tuner
+    engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
+                                            "strategy": strategy, "draft_min_prob": 0.0})
+    engine.tuner = None
     tokens = passes = 0
-    old = engine.cfg
-    engine.cfg = old.model_copy(update={"spec_threshold": max(1, old.spec_threshold),
-                                        **({"strategy": strategy} if strategy else {})})
+    responses: list[list[int]] = []
     try:
-        for i, p in enumerate(prompts):
-            out = engine.generate([p], max_new_tokens=max_new_tokens, temperature=temperature, seed=i, spec=True)
+        for i in range(0, len(prompts), batch_size):
+            out = engine.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
+                                  seed=i, spec=True)
             tokens += out.stats["spec_tokens"]
             passes += out.stats["spec_row_passes"]
+            responses += [list(r) for r in out.response_ids]
     finally:
-        engine.cfg = old
-    return tokens / max(passes, 1)
+        engine.cfg, engine.tuner = old_cfg, old_tuner
+    return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)
 
+
+def accept_length(engine: RolloutEngine, prompts: list[list[int]], temperature: float = 0.0,
+                  max_new_tokens: int = 48, strategy: SpecStrategy | None = None, batch_size: int = 8) -> float:
+    """`measure_accept(...).accept_len`: mean tokens per verify pass, tuner off, fixed strategy."""
+    return measure_accept(engine, prompts, temperature, max_new_tokens, strategy, batch_size).accept_len

@@ -73,8 +73,11 @@ def propose_ngram(engine, st: DecodeState, outs: Outputs, strategy: SpecStrategy
     return tree_from_nodes(rows, engine.device)
 
 
-def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy) -> DraftTree:
-    """Feed the pending target states to the drafter, then grow a top-k tree (EAGLE-2 style)."""
+def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy, temperature: float = 0.0,
+                  gen=None) -> tuple[DraftTree, torch.Tensor | None]:
+    """Feed the pending target states to the drafter, then grow a top-k tree (EAGLE-2 style), or,
+    for a chain (topk 1), the fast path `grow_chain`. Returns (tree, q): q [B,D,Vd] the drafter
+    distributions the chain was *sampled* from (temperature > 0), else None (point-mass drafts)."""
     dr = engine.drafter
     tok, hid, pos, valid = st.pending
     key_mask = valid if st.dvalid is None else torch.cat([st.dvalid, valid], 1)
@@ -82,7 +85,49 @@ def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy) -> DraftTree:
     st.dpast, st.dvalid = compact_past(past, key_mask)
     st.pending = None
     p_min = engine.cfg.draft_min_prob
-    return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy, math.log(p_min) if p_min > 0 else -math.inf)
+    min_logp = math.log(p_min) if p_min > 0 else -math.inf
+    if strategy.topk == 1:
+        return grow_chain(dr, st, h[:, -1], logits[:, -1], strategy.depth, temperature, gen, min_logp)
+    return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy, min_logp), None
+
+
+def grow_chain(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, depth: int, temperature: float,
+               gen, min_logp: float = -math.inf) -> tuple[DraftTree, torch.Tensor | None]:
+    """A chain of `depth` drafts, no beam bookkeeping (no KV repeats or gathers).
+
+    Greedy (temperature 0): each draft is the drafter's argmax. Sampled: each draft is drawn from
+    q = softmax(drafter logits / T) and q is returned, so verification can accept with
+    min(1, p/q) (`accept_chain_sampled`): 1 - TV(p, q) per position instead of p(x).
+    Drafts whose cumulative drafter log-prob falls under `min_logp` are pruned.
+    """
+    bsz = st.size
+    toks, qs, logq = [], [], []
+    past, kmask = st.dpast, st.dvalid
+    ones = torch.ones(bsz, 1, dtype=torch.bool, device=logits.device)
+    for level in range(depth):
+        lp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
+        if temperature > 0:
+            q = lp.exp()
+            t = draw(q, gen)
+            qs.append(q)
+        else:
+            t = lp.argmax(-1)
+        toks.append(t)
+        logq.append(lp.gather(1, t[:, None]).squeeze(1))
+        if level == depth - 1 or bool((torch.stack(logq, 1).sum(1) < min_logp).all()):
+            break
+        kmask = torch.cat([kmask, ones], 1)
+        h, lg, past = dr(dr.to_target_ids(t)[:, None], h_last[:, None], (st.pos + level)[:, None],
+                         past=past, key_mask=kmask)
+        h_last, logits = h[:, -1], lg[:, -1]
+    d = len(toks)
+    tok = dr.to_target_ids(torch.stack(toks, 1))
+    ar = torch.arange(d, device=tok.device).expand(bsz, d)
+    tree = DraftTree(tok, ar.clone(), ar + 1, torch.ones_like(tok, dtype=torch.bool))
+    if min_logp > -math.inf:
+        tree = prune_tree(tree, torch.stack(logq, 1).cumsum(1) >= min_logp)
+        qs = qs[: tree.tokens.shape[1]]
+    return tree, (torch.stack(qs, 1) if qs else None)
 
 
 def grow_tree(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, strategy: SpecStrategy,
@@ -201,11 +246,49 @@ def accept_sampled(logits: torch.Tensor, tree: DraftTree, temperature: float, to
     return torch.stack(path, 1), n_acc, bonus
 
 
+def accept_chain_sampled(logits: torch.Tensor, tree: DraftTree, q: torch.Tensor, draft_ids: torch.Tensor,
+                         temperature: float, top_p: float, gen):
+    """Speculative sampling of a chain drafted from q (Leviathan et al. 2023; Chen et al. 2023).
+
+    logits [B,D+1,V] target logits at the root and the D drafts; q [B,D,Vd] the drafter
+    distributions the drafts were sampled from, over draft ids (`draft_ids` [Vd] -> target id).
+    Draft j is accepted with probability min(1, p_j(x)/q_j(x)); at the first rejection the bonus
+    is drawn from norm(max(0, p_j - q_j)); after a fully accepted (or pruned-short) chain from
+    p. Output tokens follow p exactly, whatever q is. Same outputs as `accept_greedy`.
+    """
+    bsz, d = tree.tokens.shape
+    dev = logits.device
+    probs = target_probs(logits[:, : d + 1], temperature, top_p)  # [B, D+1, V]
+    if d == 0:
+        z = torch.zeros(bsz, dtype=torch.long, device=dev)
+        return z[:, None], z, draw(probs[:, 0], gen)
+    qf = torch.zeros(bsz, d, probs.shape[-1], device=dev)
+    qf[:, :, draft_ids] = q.float()
+    tok = tree.tokens[..., None]
+    px, qx = probs[:, :d].gather(2, tok).squeeze(2), qf.gather(2, tok).squeeze(2)
+    u = torch.rand(bsz, d, generator=gen, device=dev)
+    ok = (u * qx < px) & tree.valid
+    n_acc = ok.long().cumprod(1).sum(1)  # [B]
+    at = n_acc.clamp_max(max(d - 1, 0))
+    rows = torch.arange(bsz, device=dev)
+    p_at = probs[rows, n_acc]
+    rejected = (n_acc < d) & tree.valid[rows, at]
+    res = (p_at - qf[rows, at]).clamp_min(0) if d else p_at
+    res = torch.where((rejected & (res.sum(-1) > 0))[:, None], res, p_at)
+    bonus = draw(res / res.sum(-1, keepdim=True), gen)
+    path = torch.minimum(torch.arange(d + 1, device=dev)[None], n_acc[:, None])
+    return path, n_acc, bonus
+
+
 # ---- one round ------------------------------------------------------------------------------
 def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen, outs: Outputs) -> int:
     """Draft, verify, accept, emit, update the caches. Returns the tokens emitted this round."""
     eagle = engine.drafter is not None
-    tree = propose_eagle(engine, st, strategy) if eagle else propose_ngram(engine, st, outs, strategy)
+    q = None
+    if eagle:
+        tree, q = propose_eagle(engine, st, strategy, opts["temperature"], gen)
+    else:
+        tree = propose_ngram(engine, st, outs, strategy)
     bsz = st.size
     ids = torch.cat([st.last[:, None], tree.tokens], 1)  # [B, Q]
     pos = st.pos[:, None] + torch.cat([torch.zeros_like(st.pos)[:, None], tree.depth], 1)
@@ -213,6 +296,9 @@ def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen,
     logits, fused = engine.forward(ids, pos, block_mask(st.cache.valid, ancestor_mask(tree)), st.cache, hidden=eagle)
     if opts["temperature"] <= 0:
         path, n_acc, bonus = accept_greedy(logits, tree)
+    elif q is not None:
+        path, n_acc, bonus = accept_chain_sampled(logits, tree, q, engine.drafter.draft_to_target_ids(),
+                                                  opts["temperature"], opts["top_p"], gen)
     else:
         path, n_acc, bonus = accept_sampled(logits, tree, opts["temperature"], opts["top_p"], gen)
     m = int(n_acc.max()) + 1

@@ -26,6 +26,7 @@ class RolloutBatch:
     accepted: list[int]
     target_passes: list[int]
     stats: dict = field(default_factory=dict)
+    features: list | None = None  # generate(capture=...): per sequence (aux [T,A], final hidden [T,H])
 
 
 def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
@@ -95,6 +96,7 @@ class Outputs:
     passes: torch.Tensor    # [N] long
     max_new: int
     stats: dict
+    capture: object = None  # engine.Capture when generate(capture=...)
 
     @classmethod
     def empty(cls, n: int, max_new: int, device) -> "Outputs":

@@ -1,8 +1,8 @@
 """Bucketed epsilon-greedy bandit over speculative strategies (TLT mechanism 3, "BEG-MAB").
 
 Batch sizes fall into buckets by lower bound (default 1, 2, 5, 21). Each bucket has its own arms
-(depth x topk x tokens); bigger trees for smaller batches, as in TLT's 48/32/16/8 tokens, scaled
-down for CPU; optionally a plain-decoding arm (`PLAIN`), so a bucket where drafting costs more
+(depth x topk x tokens); longer drafts for smaller batches, as in TLT's 48/32/16/8 tokens, scaled
+down to chains for CPU (see `_DEFAULT_TABLE`); optionally a plain-decoding arm (`PLAIN`), so a bucket where drafting costs more
 than it saves learns to turn SD off. Reward of one round = tokens emitted (accept length x batch size) / round time;
 an arm's value is the median of its last `window` rewards. Untried arms are played first.
 """
@@ -15,11 +15,15 @@ from collections import deque
 from tlt.config import SpecStrategy
 
 # (depth, topk, tokens) per bucket, smallest batches first; the last row serves any later bucket.
+# Shaped to a CPU's cost curve (ENV_NOTES: a verify of M tokens ~ 40 ms + 6.25 ms * M on 2 cores):
+# every verified token costs ~0.14 of a step, so short chains only, shorter as the batch grows
+# (trees of 10-17 tokens need accept lengths of 2.4-3.2 just to break even there). A GPU, where
+# a verified token costs ~0.01-0.02 of a step, wants TLT's wide trees: pass your own `arms`.
 _DEFAULT_TABLE = [
-    [(6, 1, 6), (4, 1, 4), (5, 2, 10), (6, 4, 16)],
-    [(5, 1, 5), (3, 1, 3), (4, 2, 8), (5, 3, 12)],
-    [(4, 1, 4), (2, 1, 2), (4, 2, 8)],
-    [(3, 1, 3), (2, 1, 2), (4, 1, 4)],
+    [(2, 1, 2), (3, 1, 3), (4, 1, 4), (5, 1, 5)],
+    [(1, 1, 1), (2, 1, 2), (3, 1, 3)],
+    [(1, 1, 1), (2, 1, 2)],
+    [(1, 1, 1), (2, 1, 2)],
 ]
 
 
