@@ -92,8 +92,10 @@ def test_warmup_cosine_schedule_then_constant(setup):
     assert lrs[0] < lrs[5] < lrs[9] <= 1e-3  # warmup
     assert max(lrs) == pytest.approx(1e-3, rel=1e-6) and lrs[-1] == pytest.approx(1e-4, rel=0.05)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))  # cosine: monotone down
-    tr.constant_lr()
-    assert tr.lr_now() == 1e-3 and tr.opt.param_groups[0]["lr"] == 1e-3
+    tr.constant_lr()  # online refreshes: where the cosine ended, unless refresh_lr is set
+    assert tr.lr_now() == pytest.approx(1e-4) and tr.opt.param_groups[0]["lr"] == pytest.approx(1e-4)
+    fixed = DrafterTrainer(d, cfg.model_copy(update={"refresh_lr": 5e-4}), model.get_output_embeddings().weight)
+    assert fixed.opt.param_groups[0]["lr"] == 5e-4
 
 
 def test_prompt_weight_zero_equals_response_only(setup):

@@ -267,3 +267,32 @@ def test_chain_acceptance_rate_is_one_minus_tv():
     out = torch.where(n_acc > 0, x, bonus)  # the emitted first token
     emp = torch.bincount(out, minlength=V).float() / B
     assert (emp - p).abs().max() < 0.005
+
+
+def test_calibrator_learns_acceptance_per_depth_and_bin():
+    from tlt.rollout.calibrate import Calibrator
+
+    c = Calibrator(max_depth=4, bins=10)
+    assert c.acceptance(0, torch.tensor([0.95])).item() == pytest.approx(0.95)  # prior: the raw probability
+    prob = torch.full((1000, 2), 0.95)
+    n_acc = torch.zeros(1000, dtype=torch.long)  # a drafter that is always wrong at depth 0
+    c.update(prob, torch.ones(1000, 2, dtype=torch.bool), n_acc)
+    assert c.acceptance(0, torch.tensor([0.95])).item() < 0.01
+    assert c.acceptance(1, torch.tensor([0.95])).item() == pytest.approx(0.95)  # depth 1 never observed
+
+
+def test_calibrated_early_stop_is_lossless_and_drafts_less():
+    """A chain that stops where the calibrated chance of use is low: greedy output unchanged,
+    fewer drafts verified than the full-depth chain with the same (random) drafter."""
+    model = tiny_model("llama", layers=2, vocab=64, seed=1)
+    drafter = build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval()
+    prompts = _prompts(6, 64, seed=4)
+    base = dict(max_new_tokens=16, temperature=0.0, spec_threshold=100, tuner=False, drafter="eagle",
+                strategy=SpecStrategy(depth=4, topk=1, tokens=4))
+    plain = RolloutEngine(model, RolloutConfig(**base), eos_ids=[2], pad_id=0).generate(prompts, spec=False)
+    full = RolloutEngine(model, RolloutConfig(**base), eos_ids=[2], pad_id=0, drafter=drafter)
+    stop = RolloutEngine(model, RolloutConfig(**base, draft_stop_below=0.3), eos_ids=[2], pad_id=0, drafter=drafter)
+    a, b = full.generate(prompts, spec=True), stop.generate(prompts, spec=True)
+    assert a.response_ids == b.response_ids == plain.response_ids
+    assert sum(b.drafted) < sum(a.drafted)
+    assert stop.calibrator.n[0].sum() > full.calibrator.n[0].sum()  # it learned from verification

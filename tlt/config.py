@@ -82,7 +82,9 @@ class DrafterConfig(Stage):
     variant: Literal["eagle3", "eagle1"] = Field("eagle3", description="EAGLE-3 (3 fused layers, reduced vocab) or EAGLE-1")
     draft_vocab_size: int = Field(2048, ge=0, description="Reduced draft vocabulary; 0 = the target's full vocabulary")
     aux_layer_ids: list[int] | None = Field(None, description="Target hidden_states ids (low, mid, high); default 2, N//2, N-3")
-    lr: float = Field(3e-4, gt=0, description="AdamW learning rate")
+    lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate of the warm-start")
+    refresh_lr: float | None = Field(None, gt=0, description="Constant LR of online refreshes (default: where the "
+                                     "warm-start's cosine ends, lr * min_lr_ratio)")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
     loss_feature_weight: float = Field(0.0, ge=0, description="Weight of the SmoothL1 feature loss (EAGLE-3 drops it: 0; "
@@ -102,11 +104,12 @@ class DrafterConfig(Stage):
                                "(the target's own greedy + rollout-temperature answers to fresh task prompts)")
     corpus_prompts_per_batch: int = Field(64, ge=1, description="Prompts per batched generate() while the corpus is built")
     warmstart_max_new_tokens: int = Field(64, ge=1, description="Length cap of the corpus responses")
-    warmstart_epochs: int = Field(2, ge=1, description="Passes over the warm-start corpus")
+    warmstart_epochs: int = Field(3, ge=1, description="Passes over the warm-start corpus")
     warmup_ratio: float = Field(0.05, ge=0, lt=1, description="Warm-start LR warmup share (then cosine decay to "
                                 "min_lr_ratio); online refreshes use the constant lr")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final warm-start LR as a share of lr")
-    batch_tokens: int = Field(2048, ge=64, description="Tokens per packed training batch")
+    batch_tokens: int = Field(512, ge=64, description="Tokens per packed training batch (small batches, more steps: "
+                              "measured better at warm-start budgets of a few hundred steps)")
     warmstart_eval_prompts: int = Field(32, ge=1, description="Held-out prompts for accept-length reports")
     eval_max_new_tokens: int = Field(48, ge=1, description="Tokens per prompt in accept-length reports")
     eval_strategy: SpecStrategy = Field(default_factory=lambda: SpecStrategy(depth=4, topk=1, tokens=4),
@@ -140,6 +143,10 @@ class RolloutConfig(Stage):
     spec_patience: int = Field(0, ge=0, description="SD switches on only after this many consecutive decode steps "
                                "at or under spec_threshold (TLT uses 10 on GPUs; 0 = at once)")
     drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")
+    draft_stop_below: float = Field(0.0, ge=0, lt=1, description="Chains stop where the calibrated chance that the "
+                                    "next draft is used (it and all before it accepted; calibrated online per depth "
+                                    "against the drafter's probability) falls below this; ~0.14 = the cost of a "
+                                    "verified token on 2 CPU cores (0 = off)")
     draft_min_prob: float = Field(0.0, ge=0, lt=1, description="Drop draft tokens whose drafter path probability "
                                   "(product down the tree) is below this, so unconfident rounds verify fewer tokens "
                                   "(lossless; pays where verify cost grows with tokens, as on CPU; 0 = off; EAGLE "

@@ -127,6 +127,11 @@ def ttt_mask(seq_ids: Tensor, step: int) -> Tensor:
 
 
 # ---- the trainer ----------------------------------------------------------------------------
+def refresh_lr(cfg) -> float:
+    """The constant LR of online refreshes: `cfg.refresh_lr`, else where the warm-start's cosine ends."""
+    return cfg.refresh_lr if cfg.refresh_lr is not None else cfg.lr * cfg.min_lr_ratio
+
+
 class DrafterTrainer:
     """AdamW(0.9, 0.95) on the drafter's trainable weights; the shared embedding is excluded."""
 
@@ -134,7 +139,7 @@ class DrafterTrainer:
         self.drafter, self.cfg = drafter, cfg
         self.lm_head_weight = lm_head_weight.detach()  # [V,H] target head, frozen
         self.params = [p for p in drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(self.params, lr=refresh_lr(cfg), betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         self.num_steps = 0
         self._schedule: tuple[int, int, int] | None = None  # (first step, warmup steps, total steps)
 
@@ -144,13 +149,13 @@ class DrafterTrainer:
         self._schedule = (self.num_steps, int(round(self.cfg.warmup_ratio * total_steps)), max(1, total_steps))
 
     def constant_lr(self) -> None:
-        """Back to the constant `cfg.lr` (online refreshes)."""
+        """Back to the constant refresh LR (online refreshes; `refresh_lr`)."""
         self._schedule = None
-        self._set_lr(self.cfg.lr)
+        self._set_lr(refresh_lr(self.cfg))
 
     def lr_now(self) -> float:
         if self._schedule is None:
-            return self.cfg.lr
+            return refresh_lr(self.cfg)
         first, warm, total = self._schedule
         i = self.num_steps - first
         if i < warm:
@@ -260,11 +265,14 @@ class DrafterTrainer:
 
 def fit(trainer: DrafterTrainer, samples: list[Sample], epochs: int, batch_tokens: int,
         seed: int = 0) -> list[dict[str, float]]:
-    """`epochs` passes over `samples` (repacked and shuffled each epoch); metrics per step."""
+    """`epochs` passes over `samples` (repacked and shuffled each epoch) under the warm-start LR
+    schedule (warmup + cosine from `lr`), then back to the refresh LR; metrics per step."""
     history = []
+    trainer.schedule(len(pack(samples, batch_tokens)) * epochs)
     for epoch in range(epochs):
         for batch in pack(samples, batch_tokens, shuffle_seed=seed + epoch):
             history.append(trainer.step(batch))
+    trainer.constant_lr()
     return history
 
 

@@ -37,6 +37,8 @@ class RolloutEngine:
         self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
         self.ngram = NgramDrafter()
         self.tuner = tuner
+        from tlt.rollout.calibrate import Calibrator
+        self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.forward_calls = 0  # target forwards, for tests (prefill once per group)
@@ -254,7 +256,8 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
         raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
     old_cfg, old_tuner = engine.cfg, engine.tuner
     engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
-                                            "strategy": strategy, "draft_min_prob": 0.0})
+                                            "strategy": strategy, "draft_min_prob": 0.0,
+                                            "draft_stop_below": 0.0})
     engine.tuner = None
     tokens = passes = 0
     responses: list[list[int]] = []

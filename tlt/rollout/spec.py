@@ -33,11 +33,13 @@ from tlt.rollout.state import DecodeState, Outputs, block_mask
 @dataclass
 class DraftTree:
     """tokens [B,N] target ids; parent [B,N] verify-block index of the parent (0 = root);
-    depth [B,N] (1 = child of the root); valid [B,N] (False = padding)."""
+    depth [B,N] (1 = child of the root); valid [B,N] (False = padding); conf [B,N] the drafter's
+    probability of each draft (chains: what the calibrator learns from), or None."""
     tokens: torch.Tensor
     parent: torch.Tensor
     depth: torch.Tensor
     valid: torch.Tensor
+    conf: torch.Tensor | None = None
 
 
 def tree_from_nodes(rows: list[list[tuple[int, int, int]]], device) -> DraftTree:
@@ -87,21 +89,29 @@ def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy, temperature: 
     p_min = engine.cfg.draft_min_prob
     min_logp = math.log(p_min) if p_min > 0 else -math.inf
     if strategy.topk == 1:
-        return grow_chain(dr, st, h[:, -1], logits[:, -1], strategy.depth, temperature, gen, min_logp)
+        stop = engine.cfg.draft_stop_below
+        return grow_chain(dr, st, h[:, -1], logits[:, -1], strategy.depth, temperature, gen, min_logp,
+                          engine.calibrator if stop > 0 else None, stop)
     return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy, min_logp), None
 
 
 def grow_chain(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, depth: int, temperature: float,
-               gen, min_logp: float = -math.inf) -> tuple[DraftTree, torch.Tensor | None]:
+               gen, min_logp: float = -math.inf, calibrator=None, stop_below: float = 0.0
+               ) -> tuple[DraftTree, torch.Tensor | None]:
     """A chain of `depth` drafts, no beam bookkeeping (no KV repeats or gathers).
 
     Greedy (temperature 0): each draft is the drafter's argmax. Sampled: each draft is drawn from
     q = softmax(drafter logits / T) and q is returned, so verification can accept with
     min(1, p/q) (`accept_chain_sampled`): 1 - TV(p, q) per position instead of p(x).
-    Drafts whose cumulative drafter log-prob falls under `min_logp` are pruned.
+    Drafts whose cumulative drafter log-prob falls under `min_logp` are pruned; with a
+    `calibrator` (tlt.rollout.calibrate), so are drafts whose calibrated chance of being used
+    (all drafts before it accepted too) is under `stop_below`, and the chain stops growing once
+    every row is under it (the first draft is always kept).
     """
     bsz = st.size
-    toks, qs, logq = [], [], []
+    toks, qs, logq, conf = [], [], [], []
+    alive = torch.ones(bsz, dtype=torch.bool, device=logits.device)
+    keep, used = [], torch.ones(bsz, device=logits.device)
     past, kmask = st.dpast, st.dvalid
     ones = torch.ones(bsz, 1, dtype=torch.bool, device=logits.device)
     for level in range(depth):
@@ -114,7 +124,12 @@ def grow_chain(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, 
             t = lp.argmax(-1)
         toks.append(t)
         logq.append(lp.gather(1, t[:, None]).squeeze(1))
-        if level == depth - 1 or bool((torch.stack(logq, 1).sum(1) < min_logp).all()):
+        conf.append(logq[-1].exp())
+        if calibrator is not None:
+            used = used * calibrator.acceptance(level, conf[-1])
+            alive = alive & ((used >= stop_below) | (level == 0))
+        keep.append(alive)
+        if level == depth - 1 or bool((torch.stack(logq, 1).sum(1) < min_logp).all()) or not bool(alive.any()):
             break
         kmask = torch.cat([kmask, ones], 1)
         h, lg, past = dr(dr.to_target_ids(t)[:, None], h_last[:, None], (st.pos + level)[:, None],
@@ -123,9 +138,12 @@ def grow_chain(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, 
     d = len(toks)
     tok = dr.to_target_ids(torch.stack(toks, 1))
     ar = torch.arange(d, device=tok.device).expand(bsz, d)
-    tree = DraftTree(tok, ar.clone(), ar + 1, torch.ones_like(tok, dtype=torch.bool))
+    tree = DraftTree(tok, ar.clone(), ar + 1, torch.ones_like(tok, dtype=torch.bool), torch.stack(conf, 1))
+    ok = torch.stack(keep, 1)
     if min_logp > -math.inf:
-        tree = prune_tree(tree, torch.stack(logq, 1).cumsum(1) >= min_logp)
+        ok = ok & (torch.stack(logq, 1).cumsum(1) >= min_logp)
+    if not bool(ok.all()):
+        tree = prune_tree(tree, ok)
         qs = qs[: tree.tokens.shape[1]]
     return tree, (torch.stack(qs, 1) if qs else None)
 
@@ -193,7 +211,8 @@ def prune_tree(tree: DraftTree, keep: torch.Tensor) -> DraftTree:
     idx = torch.nonzero(cols).squeeze(1)
     parent = tree.parent[:, idx]
     parent = torch.where((parent > 0) & valid[:, idx], new_idx[(parent - 1).clamp_min(0)], 0)
-    return DraftTree(tree.tokens[:, idx], parent, tree.depth[:, idx], valid[:, idx])
+    return DraftTree(tree.tokens[:, idx], parent, tree.depth[:, idx], valid[:, idx],
+                     None if tree.conf is None else tree.conf[:, idx])
 
 
 # ---- acceptance -----------------------------------------------------------------------------
@@ -314,6 +333,8 @@ def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen,
         _queue_drafter_inputs(st, emitted, fused.gather(1, path[..., None].expand(bsz, m, fused.shape[-1])), keep)
     st.pos = st.pos + n_acc + 1
     st.last = bonus
+    if tree.conf is not None and engine.cfg.draft_stop_below > 0:
+        engine.calibrator.update(tree.conf, tree.valid, n_acc)
     _record(outs, st, tree, n_acc, count)
     return int(count.sum())
 
