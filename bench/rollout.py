@@ -127,8 +127,12 @@ def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     eng = RolloutEngine(model, r, eos_token_ids(tok, model), tok.pad_token_id, drafter=drafter)
     greedy = measure_accept(eng, held, 0.0, d.eval_max_new_tokens, d.eval_strategy)
     sampled = measure_accept(eng, held, cfg.rollout.temperature or 1.0, d.eval_max_new_tokens, d.eval_strategy)
+    point = RolloutEngine(model, r.model_copy(update={"sampled_drafts": False}), eos_token_ids(tok, model),
+                          tok.pad_token_id, drafter=drafter)
+    point_mass = measure_accept(point, held, cfg.rollout.temperature or 1.0, d.eval_max_new_tokens, d.eval_strategy)
     reduced = drafter is not None and drafter.draft_vocab_size < drafter.vocab_size
     return {"accept_len_greedy": greedy.accept_len, "accept_len_sampled": sampled.accept_len,
+            "accept_len_sampled_point_mass": point_mass.accept_len,
             "vocab_coverage": vocab_coverage(drafter.t2d if reduced else None, greedy.responses),
             "accept_strategy": d.eval_strategy.name, "accept_prompts": n}
 
@@ -160,7 +164,8 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
               "greedy_identical": identical, "rows": rows, "strategy": r.strategy.model_dump()}
     result.update(accept_fields(cfg, model, tok, drafter, r, prompts))
     print(f"accept length ({result['accept_strategy']}, tuner off, {result['accept_prompts']} prompts): "
-          f"greedy {result['accept_len_greedy']:.2f}, T={cfg.rollout.temperature} {result['accept_len_sampled']:.2f}, "
+          f"greedy {result['accept_len_greedy']:.2f}, T={cfg.rollout.temperature} {result['accept_len_sampled']:.2f} "
+          f"(point-mass rule {result['accept_len_sampled_point_mass']:.2f}), "
           f"vocab coverage {result['vocab_coverage']:.3f}", flush=True)
     if grpo:
         n = cfg.rollout.prompts_per_step

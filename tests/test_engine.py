@@ -296,3 +296,22 @@ def test_calibrated_early_stop_is_lossless_and_drafts_less():
     assert a.response_ids == b.response_ids == plain.response_ids
     assert sum(b.drafted) < sum(a.drafted)
     assert stop.calibrator.n[0].sum() > full.calibrator.n[0].sum()  # it learned from verification
+
+
+def test_point_mass_chains_stay_exact():
+    """rollout.sampled_drafts=false (argmax drafts, accepted with p(x)): still the policy's distribution."""
+    model = tiny_model("llama", layers=2, vocab=16, seed=3)
+    drafter = build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval()
+    prompt = [5, 6, 7, 5, 6, 8, 5, 6, 9, 3, 5, 6]
+    n = 3000
+    cfg = RolloutConfig(max_new_tokens=2, temperature=1.0, spec_threshold=n, tuner=False, drafter="eagle",
+                        strategy=SpecStrategy(depth=2, topk=1, tokens=2), sampled_drafts=False)
+    out = RolloutEngine(model, cfg, eos_ids=[], pad_id=0, drafter=drafter).generate([prompt], group_size=n, seed=2,
+                                                                                   spec=True)
+    exact = _exact_joint(model, prompt, 1.0, 1.0)
+    counts = {}
+    for r in out.response_ids:
+        counts[tuple(r)] = counts.get(tuple(r), 0) + 1
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    assert tv < _tv_bound(exact, n)
+    assert 0 < sum(out.accepted) < sum(out.drafted)

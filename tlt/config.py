@@ -143,6 +143,9 @@ class RolloutConfig(Stage):
     spec_patience: int = Field(0, ge=0, description="SD switches on only after this many consecutive decode steps "
                                "at or under spec_threshold (TLT uses 10 on GPUs; 0 = at once)")
     drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")
+    sampled_drafts: bool = Field(True, description="At temperature > 0, chains draw their drafts from the drafter's "
+                                 "distribution q and accept with min(1, p/q) (accepts 1 - TV(p, q)); false = argmax "
+                                 "drafts accepted as point masses with p(x). Both lossless")
     draft_stop_below: float = Field(0.0, ge=0, lt=1, description="Chains stop where the calibrated chance that the "
                                     "next draft is used (it and all before it accepted; calibrated online per depth "
                                     "against the drafter's probability) falls below this; ~0.14 = the cost of a "

@@ -305,7 +305,8 @@ def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen,
     eagle = engine.drafter is not None
     q = None
     if eagle:
-        tree, q = propose_eagle(engine, st, strategy, opts["temperature"], gen)
+        temp = opts["temperature"] if engine.cfg.sampled_drafts else 0.0  # 0: argmax drafts, point-mass rule
+        tree, q = propose_eagle(engine, st, strategy, temp, gen)
     else:
         tree = propose_ngram(engine, st, outs, strategy)
     bsz = st.size
