@@ -2,8 +2,9 @@
 
     python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--set k=v ...]
 
-Rows (greedy, batch 1 / 4 / 16): tokens/s of plain and SD engine runs interleaved A B A B (best
-of `reps`, the machine is shared), and of HF generate; `greedy_identical` says whether every SD
+Rows (greedy, batch 1 / 4 / 16): each row runs the same `--row-prompts` prompts (16) as batches of
+its size; tokens/s of plain and SD engine runs interleaved A B A B batch by batch (best total of
+`reps`, the machine is shared), and of HF generate; `greedy_identical` says whether every SD
 output equals the plain one. SD is forced on at every row's batch size (threshold = batch) to
 show where it stops paying -- that crossover is how `rollout.spec_threshold` is chosen. The GRPO
 row runs prompts x group at temperature 1.0 with the configured tail switch and tuner.
@@ -63,8 +64,9 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def hf_generate(model, prompts, pad_id, eos_ids, max_new):
-    """Greedy HF generate over a left-padded batch -> tokens generated (up to EOS) per second."""
+def hf_generate(model, prompts, pad_id, eos_ids, max_new, return_tokens: bool = False):
+    """Greedy HF generate over a left-padded batch -> tokens generated (up to EOS) per second
+    (and the token count with `return_tokens`)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -74,25 +76,34 @@ def hf_generate(model, prompts, pad_id, eos_ids, max_new):
     for row in out[:, width:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
         n += cut
-    return n / dt
+    return (n / dt, n) if return_tokens else n / dt
 
 
-def batch_row(eng_plain, eng_spec, model, prompts, pad_id, eos_ids, max_new, reps):
-    """Plain / SD interleaved (best of reps) and HF generate at one batch size, greedy."""
-    best = {"plain": 0.0, "spec": 0.0}
-    identical, acc = True, 0.0
+def batch_row(eng_plain, eng_spec, model, batches, pad_id, eos_ids, max_new, reps):
+    """Plain / SD interleaved batch by batch (best total of reps) and HF generate at one batch
+    size, greedy, over `batches` (lists of prompts of that size, together `--row-prompts` prompts)."""
+    best = {"plain": float("inf"), "spec": float("inf")}
+    identical, n_tok, spec_tok, spec_pass = True, 0, 0, 0
     for _ in range(reps):
-        a, ta = _timed(lambda: eng_plain.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=False))
-        b, tb = _timed(lambda: eng_spec.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=True))
-        n = sum(len(r) for r in a.response_ids)
-        best["plain"] = max(best["plain"], n / ta)
-        best["spec"] = max(best["spec"], sum(len(r) for r in b.response_ids) / tb)
-        identical &= a.response_ids == b.response_ids
-        acc = rollout_metrics(b).get("spec/accept_len/mean", 1.0)
-    hf = hf_generate(model, prompts, pad_id, eos_ids, max_new)
-    return {"batch": len(prompts), "plain_tok_s": best["plain"], "spec_tok_s": best["spec"], "hf_tok_s": hf,
-            "speedup_vs_plain": best["spec"] / best["plain"], "speedup_vs_hf": best["spec"] / hf,
-            "plain_vs_hf": best["plain"] / hf, "accept_len_mean": acc}, identical
+        t_plain = t_spec = 0.0
+        n_tok = spec_tok = spec_pass = 0
+        for prompts in batches:
+            a, ta = _timed(lambda: eng_plain.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=False))
+            b, tb = _timed(lambda: eng_spec.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=True))
+            t_plain, t_spec = t_plain + ta, t_spec + tb
+            n_tok += sum(len(r) for r in a.response_ids)
+            identical &= a.response_ids == b.response_ids
+            spec_tok += b.stats["spec_tokens"]
+            spec_pass += b.stats["spec_row_passes"]
+        best["plain"], best["spec"] = min(best["plain"], t_plain), min(best["spec"], t_spec)
+    hf_tokens, hf_time = 0, 0.0
+    for prompts in batches:
+        rate, n = hf_generate(model, prompts, pad_id, eos_ids, max_new, return_tokens=True)
+        hf_tokens, hf_time = hf_tokens + n, hf_time + n / rate
+    plain, spec, hf = n_tok / best["plain"], n_tok / best["spec"], hf_tokens / hf_time
+    return {"batch": len(batches[0]), "prompts": sum(len(p) for p in batches), "plain_tok_s": plain,
+            "spec_tok_s": spec, "hf_tok_s": hf, "speedup_vs_plain": spec / plain, "speedup_vs_hf": spec / hf,
+            "plain_vs_hf": plain / hf, "accept_len_mean": spec_tok / max(spec_pass, 1)}, identical
 
 
 def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
@@ -138,7 +149,8 @@ def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
 
 
 def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_tokens: int | None = None,
-              reps: int = 2, grpo: bool = True, model_and_tokenizer=None, prompts: str = "generic") -> dict:
+              reps: int = 2, grpo: bool = True, model_and_tokenizer=None, prompts: str = "generic",
+              row_prompts: int = 16) -> dict:
     """Run the benchmark for a RunConfig; returns the JSON-able result (see module docstring)."""
     model, tok = model_and_tokenizer or load_target(cfg.model)
     eos_ids, pad_id = eos_token_ids(tok, model), tok.pad_token_id
@@ -151,9 +163,11 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     rows, identical = [], True
     plain_eng = RolloutEngine(model, r, eos_ids, pad_id)
     for bs in batches:
-        batch = task_prompts(cfg, tok, bs) if prompts == "task" else encode_prompts(tok, bs)
+        n = max(bs, row_prompts // bs * bs)
+        pool = task_prompts(cfg, tok, n) if prompts == "task" else encode_prompts(tok, n)
         spec_eng = RolloutEngine(model, r.model_copy(update={"spec_threshold": bs}), eos_ids, pad_id, drafter=drafter)
-        row, same = batch_row(plain_eng, spec_eng, model, batch, pad_id, eos_ids, max_new, reps)
+        row, same = batch_row(plain_eng, spec_eng, model, [pool[i:i + bs] for i in range(0, n, bs)], pad_id,
+                              eos_ids, max_new, reps)
         rows.append(row)
         identical &= same
         print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
@@ -198,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--row-prompts", type=int, default=16,
+                    help="prompts per row: batch b runs row_prompts / b batches of b (one prompt is too noisy)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-grpo", action="store_true")
     ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
@@ -207,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     result = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
-                       args.reps, grpo=not args.no_grpo, prompts=args.prompts)
+                       args.reps, grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts)
     print_table(result)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

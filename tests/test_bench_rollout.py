@@ -31,8 +31,8 @@ def test_rollout_bench_reports_accept_and_coverage(tmp_path, kind):
         drafter_dir = tmp_path / "drafter"
         export_eagle3(build_drafter(model, cfg.drafter), model.config, drafter_dir)
     res = bench.run_bench(cfg, str(drafter_dir) if drafter_dir else None, batches=(1, 2), max_new_tokens=6, reps=1,
-                          grpo=False, model_and_tokenizer=(model, tok), prompts="task")
-    assert res["greedy_identical"] and [r["batch"] for r in res["rows"]] == [1, 2]
+                          grpo=False, model_and_tokenizer=(model, tok), prompts="task", row_prompts=4)
+    assert res["greedy_identical"] and [(r["batch"], r["prompts"]) for r in res["rows"]] == [(1, 4), (2, 4)]
     for k in ("accept_len_greedy", "accept_len_sampled", "accept_len_sampled_point_mass"):
         assert 1.0 <= res[k] <= 5.0, (k, res[k])
     assert 0.0 <= res["vocab_coverage"] <= 1.0 and res["accept_strategy"] == "chain4"
