@@ -150,7 +150,7 @@ def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
 
 def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_tokens: int | None = None,
               reps: int = 2, grpo: bool = True, model_and_tokenizer=None, prompts: str = "generic",
-              row_prompts: int = 16) -> dict:
+              row_prompts: int = 16, tuner: bool = False) -> dict:
     """Run the benchmark for a RunConfig; returns the JSON-able result (see module docstring)."""
     model, tok = model_and_tokenizer or load_target(cfg.model)
     eos_ids, pad_id = eos_token_ids(tok, model), tok.pad_token_id
@@ -165,7 +165,12 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     for bs in batches:
         n = max(bs, row_prompts // bs * bs)
         pool = task_prompts(cfg, tok, n) if prompts == "task" else encode_prompts(tok, n)
-        spec_eng = RolloutEngine(model, r.model_copy(update={"spec_threshold": bs}), eos_ids, pad_id, drafter=drafter)
+        # --tuner: the configured bandit (with its plain arm) picks every round's strategy and
+        # keeps learning across reps; default: the fixed `rollout.strategy` every round.
+        bandit = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=0,
+                                       plain=r.tuner_plain_arm) if tuner else None
+        spec_eng = RolloutEngine(model, r.model_copy(update={"spec_threshold": bs}), eos_ids, pad_id, drafter=drafter,
+                                 tuner=bandit)
         row, same = batch_row(plain_eng, spec_eng, model, [pool[i:i + bs] for i in range(0, n, bs)], pad_id,
                               eos_ids, max_new, reps)
         rows.append(row)
@@ -173,7 +178,7 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
         print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
               f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f} tok/s",
               flush=True)
-    result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new,
+    result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
               "threads": torch.get_num_threads(),
               "greedy_identical": identical, "rows": rows, "strategy": r.strategy.model_dump()}
     result.update(accept_fields(cfg, model, tok, drafter, r, prompts))
@@ -216,6 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="prompts per row: batch b runs row_prompts / b batches of b (one prompt is too noisy)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-grpo", action="store_true")
+    ap.add_argument("--tuner", action="store_true", help="SD rows: the configured strategy tuner (with its plain "
+                    "arm) instead of the fixed rollout.strategy")
     ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
                     help="generic chat questions, or the config's held-out task prompts (every row)")
     args = ap.parse_args(argv)
@@ -223,7 +230,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     result = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
-                       args.reps, grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts)
+                       args.reps, grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts,
+                       tuner=args.tuner)
     print_table(result)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
