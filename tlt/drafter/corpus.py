@@ -108,6 +108,10 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
         df = pd.read_parquet(path)
         return Corpus([list(map(int, x)) for x in df["prompt_ids"]], [list(map(int, x)) for x in df["response_ids"]],
                       [float(x) for x in df["temperature"]], key, path, time.perf_counter() - t0, cached=True)
+    import inspect
+
+    if capture is not None and "capture" not in inspect.signature(engine.generate).parameters:
+        capture = None  # an engine that cannot record features (vLLM, workers): warm-start re-forwards
     prompts, responses, temps, feats = [], [], [], []
     seen: set[str] = set()
     stream = texts()
