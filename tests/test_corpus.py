@@ -140,3 +140,20 @@ def test_captured_features_equal_a_second_forward(setup):
         assert float(aux[T - 1].abs().sum()) == 0.0
     with pytest.raises(ValueError, match="spec=False"):
         eng.generate(prompts, capture=ids, spec=True)
+
+
+def test_engines_without_capture_build_a_corpus_without_features(setup, tmp_path):
+    """vLLM / worker engines have no `capture`: the corpus is built anyway, features left to a re-forward."""
+    cfg, model, tok, ds, eng, enc = setup
+
+    class NoCapture:
+        def generate(self, prompts, max_new_tokens=None, temperature=None, top_p=None, seed=0, spec=None):
+            return eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                seed=seed, spec=spec)
+
+    c = build_corpus(NoCapture(), enc, cfg, ds.train["prompt"].tolist(), ds.heldout["prompt"].tolist(), tmp_path,
+                     "fp", capture=[1, 2, 3])
+    assert c.features is None and c.n_tokens >= cfg.drafter.corpus_tokens
+    withf = build_corpus(eng, enc, cfg, ds.train["prompt"].tolist(), ds.heldout["prompt"].tolist(),
+                         tmp_path / "b", "fp", capture=[1, 2, 3])
+    assert withf.features is not None and len(withf.features) == len(withf)

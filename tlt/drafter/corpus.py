@@ -108,10 +108,10 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
         df = pd.read_parquet(path)
         return Corpus([list(map(int, x)) for x in df["prompt_ids"]], [list(map(int, x)) for x in df["response_ids"]],
                       [float(x) for x in df["temperature"]], key, path, time.perf_counter() - t0, cached=True)
-    import inspect
+    from tlt.rollout.engine import RolloutEngine
 
-    if capture is not None and "capture" not in inspect.signature(engine.generate).parameters:
-        capture = None  # an engine that cannot record features (vLLM, workers): warm-start re-forwards
+    # Only the in-process torch engine records features; others (vLLM, workers): warm-start re-forwards.
+    extra = {"capture": capture} if capture is not None and isinstance(engine, RolloutEngine) else {}
     prompts, responses, temps, feats = [], [], [], []
     seen: set[str] = set()
     stream = texts()
@@ -129,8 +129,7 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
                 continue
             ids = encode(texts_)
             out = engine.generate(ids, max_new_tokens=d.warmstart_max_new_tokens, temperature=t,
-                                  top_p=cfg.rollout.top_p, seed=cfg.rl.seed + len(prompts), spec=False,
-                                  capture=capture)
+                                  top_p=cfg.rollout.top_p, seed=cfg.rl.seed + len(prompts), spec=False, **extra)
             feats += out.features or []
             for p, r in zip(out.prompt_ids, out.response_ids):
                 prompts.append(list(p))
@@ -140,7 +139,7 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
                 bar.update(len(r))
     bar.close()
     corpus = Corpus(prompts, responses, temps, key, path, time.perf_counter() - t0,
-                    features=feats if capture is not None else None)
+                    features=feats if extra else None)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     corpus.frame().to_parquet(tmp)
