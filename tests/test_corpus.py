@@ -157,3 +157,18 @@ def test_engines_without_capture_build_a_corpus_without_features(setup, tmp_path
     withf = build_corpus(eng, enc, cfg, ds.train["prompt"].tolist(), ds.heldout["prompt"].tolist(),
                          tmp_path / "b", "fp", capture=[1, 2, 3])
     assert withf.features is not None and len(withf.features) == len(withf)
+
+
+def test_corpus_samples_one_per_sequence(setup, tmp_path):
+    """Captured features are used as they are: one sample per corpus sequence, no re-forward added."""
+    from tlt.drafter.warmstart import corpus_samples
+
+    cfg, model, tok, ds, eng, enc = setup
+    c = build_corpus(eng, enc, cfg, ds.train["prompt"].tolist(), ds.heldout["prompt"].tolist(), tmp_path, "fp",
+                     capture=[1, 2, 3])
+    s = corpus_samples(model, c, [1, 2, 3], cfg)
+    assert len(s) == len(c)
+    c.features = None
+    r = corpus_samples(model, c, [1, 2, 3], cfg)
+    assert len(r) == len(c)
+    torch.testing.assert_close(s[0]["target_hidden"][:-1], r[0]["target_hidden"][:-1], atol=1e-4, rtol=1e-4)

@@ -70,8 +70,9 @@ def corpus_samples(model, corpus: Corpus, aux_ids: list[int], cfg, batch: int = 
     if corpus.features is not None:
         out = [{"input_ids": torch.tensor(s, dtype=torch.long), "aux": a, "target_hidden": f,
                 "loss_mask": torch.arange(len(s)) >= n} for s, n, (a, f) in zip(seqs, plens, corpus.features)]
-    for i in tqdm(range(0, len(seqs), batch), desc="drafter features", unit="chunk", disable=bool(out)):
-        out += collect_samples(model, seqs[i:i + batch], plens[i:i + batch], aux_ids, batch_size=16)
+    else:
+        for i in tqdm(range(0, len(seqs), batch), desc="drafter features", unit="chunk"):
+            out += collect_samples(model, seqs[i:i + batch], plens[i:i + batch], aux_ids, batch_size=16)
     if d.train_on_prompt and d.prompt_loss_weight > 0:
         for s in out:
             resp = s["loss_mask"]
