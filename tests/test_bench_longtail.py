@@ -1,22 +1,17 @@
 """bench/longtail.py: its statistics as pure functions, and one tiny run on conf/smoke.yaml checked
 for keys and value ranges (invariants only, never timings: the machines are shared)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_longtail", ROOT / "bench" / "longtail.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-bench = _load_bench()
+bench = load_bench("longtail")
 
 
 def test_length_stats_hand_computed():

@@ -1,22 +1,17 @@
 """bench/rl_step.py: its statistics and TRL plumbing as pure functions, and one 2-step run of the
 three tlt RL loops on conf/smoke.yaml with TRL skipped. No timing assertions (shared machines)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_rl_step", ROOT / "bench" / "rl_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
-bench = _load_bench()
+bench = load_bench("rl_step")
 
 
 def _record(rewards, group_size=4):

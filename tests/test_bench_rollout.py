@@ -1,9 +1,9 @@
 """bench/rollout.py on conf/smoke.yaml (tiny random model, n-gram and EAGLE-3 drafters): the JSON
 carries the honest accept lengths and the vocabulary coverage next to the rows. No timing asserts."""
-import importlib.util
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 from tlt.config import load_config
 from tlt.drafter.model import build_drafter
@@ -14,16 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle"])
 def test_rollout_bench_reports_accept_and_coverage(tmp_path, kind):
-    bench = _load_bench()
+    bench = load_bench("rollout")
     cfg = load_config(ROOT / "conf/smoke.yaml", ["drafter.warmstart_eval_prompts=2", "drafter.draft_vocab_size=64"])
     model, tok = load_target(cfg.model)
     drafter_dir = None

@@ -81,16 +81,8 @@ def _collate(rows: list[list[Sample]]) -> dict[str, Tensor]:
 ROW_TOKENS = 256  # packed row capacity: attention is dense per row, so short rows cost less
 
 
-def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None = None,
-         row_tokens: int = ROW_TOKENS) -> list[dict[str, Tensor]]:
-    """Pack samples into rows (first-fit decreasing), rows into batches of ~batch_tokens tokens.
-
-    Row capacity is max(longest sample, min(batch_tokens, row_tokens)): attention (and the
-    training-time test's (k+1)L keys) is dense per row, so rows are kept short and stacked. Each batch: input_ids/position_ids/seq_ids/loss_mask
-    [B,L], aux [B,L,3H_t], target_hidden [B,L,H] (already shifted, see `_shift`).
-    """
-    if not samples:
-        return []
+def _rows(samples: list[Sample], batch_tokens: int, row_tokens: int) -> tuple[list[list[Sample]], int]:
+    """First-fit-decreasing rows of samples and how many rows make a batch."""
     lengths = [s["input_ids"].shape[0] for s in samples]
     cap = max(max(lengths), min(batch_tokens, row_tokens))
     rows: list[list[Sample]] = []
@@ -103,7 +95,29 @@ def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None = No
             slot = len(rows) - 1
         rows[slot].append(samples[i])
         room[slot] -= lengths[i]
-    per_batch = max(1, batch_tokens // cap)
+    return rows, max(1, batch_tokens // cap)
+
+
+def count_batches(samples: list[Sample], batch_tokens: int, row_tokens: int = ROW_TOKENS) -> int:
+    """len(pack(samples, batch_tokens)) without collating any batch (for LR schedules, progress bars)."""
+    if not samples:
+        return 0
+    rows, per_batch = _rows(samples, batch_tokens, row_tokens)
+    return math.ceil(len(rows) / per_batch)
+
+
+def pack(samples: list[Sample], batch_tokens: int, shuffle_seed: int | None = None,
+         row_tokens: int = ROW_TOKENS) -> list[dict[str, Tensor]]:
+    """Pack samples into rows (first-fit decreasing), rows into batches of ~batch_tokens tokens.
+
+    Row capacity is max(longest sample, min(batch_tokens, row_tokens)): attention (and the
+    training-time test's (k+1)L keys) is dense per row, so rows are kept short and stacked. Each
+    batch: input_ids/position_ids/seq_ids/loss_mask [B,L], aux [B,L,3H_t], target_hidden [B,L,H]
+    (already shifted, see `_shift`).
+    """
+    if not samples:
+        return []
+    rows, per_batch = _rows(samples, batch_tokens, row_tokens)
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(rows)
     return [_collate(rows[i:i + per_batch]) for i in range(0, len(rows), per_batch)]
@@ -268,7 +282,7 @@ def fit(trainer: DrafterTrainer, samples: list[Sample], epochs: int, batch_token
     """`epochs` passes over `samples` (repacked and shuffled each epoch) under the warm-start LR
     schedule (warmup + cosine from `lr`), then back to the refresh LR; metrics per step."""
     history = []
-    trainer.schedule(len(pack(samples, batch_tokens)) * epochs)
+    trainer.schedule(count_batches(samples, batch_tokens) * epochs)
     for epoch in range(epochs):
         for batch in pack(samples, batch_tokens, shuffle_seed=seed + epoch):
             history.append(trainer.step(batch))

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from tlt.drafter.corpus import Corpus, vocab_coverage
-from tlt.drafter.train import DrafterTrainer, Sample, collect_samples, pack
+from tlt.drafter.train import DrafterTrainer, Sample, collect_samples, count_batches, pack
 from tlt.rollout.engine import measure_accept
 from tlt.summaries import WarmstartSummary
 
@@ -113,7 +113,7 @@ def warmstart(model, drafter, engine, corpus: Corpus, heldout_prompts: list[list
         drafter.set_vocab(response_counts(corpus, drafter.vocab_size))
     samples = corpus_samples(model, corpus, drafter.aux_layer_ids, cfg)
     trainer = DrafterTrainer(drafter, d, head)
-    n_batches = len(pack(samples, d.batch_tokens))
+    n_batches = count_batches(samples, d.batch_tokens)
     trainer.schedule(n_batches * d.warmstart_epochs)
     step = 0
     bar = tqdm(total=n_batches * d.warmstart_epochs, desc="drafter warm-start", unit="step")
@@ -133,8 +133,7 @@ def warmstart(model, drafter, engine, corpus: Corpus, heldout_prompts: list[list
         vocab_coverage=vocab_coverage(drafter.t2d if drafter.draft_vocab_size < drafter.vocab_size else None,
                                       greedy.responses),
         corpus_key=corpus.key, corpus_tokens=corpus.n_tokens, corpus_sequences=len(corpus),
-        n_samples=len(samples), n_tokens=int(sum(int((s["loss_weight"] >= 1).sum()) if "loss_weight" in s
-                                                 else int(s["loss_mask"].sum()) for s in samples)),
+        n_samples=len(samples), n_tokens=corpus.n_tokens,
         train_steps=step, time_s=time.perf_counter() - t0, path=str(cache))
     cache.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in drafter.trainable_state_dict().items()}, cache / "drafter.safetensors")
