@@ -109,8 +109,7 @@ def batch_row(eng_plain, eng_spec, model, batches, pad_id, eos_ids, max_new, rep
 def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
     """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
     r = cfg.rollout
-    tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=0,
-                                  plain=r.tuner_plain_arm) if r.tuner else None
+    tuner = StrategyTuner.from_config(r) if r.tuner else None
     plain = RolloutEngine(model, r, eos_ids, pad_id)
     spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
     kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
@@ -167,8 +166,7 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
         pool = task_prompts(cfg, tok, n) if prompts == "task" else encode_prompts(tok, n)
         # --tuner: the configured bandit (with its plain arm) picks every round's strategy and
         # keeps learning across reps; default: the fixed `rollout.strategy` every round.
-        bandit = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=0,
-                                       plain=r.tuner_plain_arm) if tuner else None
+        bandit = StrategyTuner.from_config(r) if tuner else None
         spec_eng = RolloutEngine(model, r.model_copy(update={"spec_threshold": bs}), eos_ids, pad_id, drafter=drafter,
                                  tuner=bandit)
         row, same = batch_row(plain_eng, spec_eng, model, [pool[i:i + bs] for i in range(0, n, bs)], pad_id,

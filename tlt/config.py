@@ -59,6 +59,9 @@ class SpecStrategy(Stage):
     depth: int = Field(4, ge=0, le=16, description="Draft steps per round (0 = plain decoding, no draft)")
     topk: int = Field(1, ge=1, le=8, description="Branching of the draft tree (1 = chain)")
     tokens: int = Field(4, ge=0, le=64, description="Draft tokens verified per round (0 with depth 0)")
+    source: Literal["drafter", "ngram"] = Field("drafter", description="Who drafts: the trained drafter, or "
+                                                "model-free n-gram lookup over the sequence, the other samples of "
+                                                "its GRPO group and earlier rollouts of its prompt")
 
     @model_validator(mode="after")
     def _plain_is_both_zero(self):
@@ -75,7 +78,8 @@ class SpecStrategy(Stage):
         """'chain4', 'tree4x2t8' or 'plain': how reports name a strategy."""
         if self.plain:
             return "plain"
-        return f"chain{self.depth}" if self.topk == 1 else f"tree{self.depth}x{self.topk}t{self.tokens}"
+        shape = f"chain{self.depth}" if self.topk == 1 else f"tree{self.depth}x{self.topk}t{self.tokens}"
+        return shape if self.source == "drafter" else f"ngram-{shape}"
 
 
 class DrafterConfig(Stage):
@@ -160,6 +164,14 @@ class RolloutConfig(Stage):
     tuner_buckets: list[int] = Field(default_factory=lambda: [1, 2, 5, 21], description="Lower bounds of batch-size buckets")
     tuner_plain_arm: bool = Field(True, description="The bandit may also choose plain decoding in a bucket (SD off "
                                   "where drafting does not pay for itself)")
+    tuner_ngram_arms: bool = Field(True, description="The bandit may also choose model-free n-gram drafts (arms with "
+                                   "source ngram) in a bucket, next to the trained drafter's")
+    group_drafts: bool = Field(True, description="N-gram drafts also look up the other samples of the sequence's GRPO "
+                               "group (finished ones included) and earlier rollouts of the same prompt")
+    history_per_prompt: int = Field(8, ge=0, description="Earlier responses kept per prompt for n-gram drafts "
+                                    "(the newest; 0 = none; in memory, per engine, not checkpointed)")
+    history_prompts: int = Field(2048, ge=1, description="Prompts whose earlier responses are kept (least recently "
+                                 "used dropped first)")
 
     @model_validator(mode="after")
     def _workers_need_torch(self):

@@ -33,6 +33,10 @@ def spec_metrics(drafted: list[int], accepted: list[int], stats: dict) -> dict[s
         return out
     out["spec/accept_len/mean"] = stats["spec_tokens"] / passes
     out["spec/accept_rate"] = sum(accepted) / max(1, sum(drafted))
+    # Rounds drafted by the model-free n-gram lookup (the group's own rollouts), where the tuner chose it.
+    out["spec/ngram_share"] = stats.get("ngram_tokens", 0) / max(1, stats["spec_tokens"])
+    if stats.get("ngram_row_passes", 0):
+        out["spec/ngram_accept_len"] = stats["ngram_tokens"] / stats["ngram_row_passes"]
     for i, (a, d) in enumerate(zip(stats.get("accepted_pos", []), stats.get("drafted_pos", []))):
         if d:
             out[f"spec/accept_rate/pos_{i}"] = a / d
@@ -48,7 +52,8 @@ def rollout_metrics(batch) -> dict[str, float]:
     spec/accept_len/mean: tokens per target pass during SD; spec/accept_rate: accepted / drafted
     tokens (for trees, drafted counts every verified node); spec/accept_rate/pos_i: share of
     rounds drafting depth i+1 whose draft was accepted down to it; spec/enabled_share: share of
-    tokens emitted by SD rounds; rollout/tail_share: share of time with <= spec_threshold rows.
+    tokens emitted by SD rounds; spec/ngram_share: share of the SD tokens from n-gram rounds,
+    spec/ngram_accept_len their tokens per pass; rollout/tail_share: share of time with <= spec_threshold rows.
     """
     stats = batch.stats
     lengths = [len(r) for r in batch.response_ids]

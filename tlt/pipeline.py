@@ -166,8 +166,7 @@ class Pipeline:
             self.engine = VllmRolloutEngine.for_run(self.model, self.tokenizer, self.cfg, self.eos_ids, self.drafter,
                                                     self.run_dir)
             return
-        tuner = StrategyTuner.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=self.cfg.rl.seed,
-                                      plain=r.tuner_plain_arm) if r.tuner else None
+        tuner = StrategyTuner.from_config(r, seed=self.cfg.rl.seed) if r.tuner else None
         self.engine = RolloutEngine(self.model, r, self.eos_ids, self.tokenizer.pad_token_id,
                                     drafter=self.drafter, tuner=tuner)
 
@@ -244,13 +243,15 @@ class Pipeline:
         return log_report(self.record, self.evals, self.tracker, self.cfg.rollout.max_new_tokens)
 
     # -- stage 3: drafter warm-start -------------------------------------------------------------
-    def warmstart(self) -> WarmstartSummary:
+    def warmstart(self, corpus=None) -> WarmstartSummary:
+        """Warm-start on `corpus` (default: `build_corpus()`; a caller that also needs the corpus'
+        captured features, e.g. bench/adaptive.py, builds it once and passes it)."""
         from tlt.drafter.warmstart import warmstart
 
         ds, d = self.dataset, self.cfg.drafter
         if self.champion is not None:  # retrain: start from the champion drafter, no warm-start
             return self._load_champion_drafter()
-        corpus = self.build_corpus()
+        corpus = corpus if corpus is not None else self.build_corpus()
         summary, trainer = warmstart(
             self.model, self.drafter, self.engine, corpus,
             self.prompt_ids(ds.heldout["prompt"][: d.warmstart_eval_prompts]), self.cfg,

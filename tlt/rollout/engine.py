@@ -25,17 +25,20 @@ class RolloutEngine:
     """Generate responses with an HF causal LM; speculative in the tail when a drafter is available.
 
     drafter: an `Eagle3Drafter` (tlt.drafter.model) or None; None or `cfg.drafter == "ngram"`
-    uses the model-free n-gram prompt-lookup drafter. tuner: a `StrategyTuner` or None (then
-    `cfg.strategy` is used for every round).
+    uses the model-free n-gram drafter for every round; otherwise rounds whose strategy has
+    `source: ngram` do. tuner: a `StrategyTuner` or None (then `cfg.strategy` is used for every
+    round). history: earlier responses per prompt (`PromptHistory`), searched by n-gram drafts
+    when `cfg.group_drafts`; filled by every `generate` (evaluation included).
     """
 
     def __init__(self, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int, drafter=None, tuner=None):
-        from tlt.rollout.ngram import NgramDrafter
+        from tlt.rollout.ngram import NgramDrafter, PromptHistory
 
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         self.eos_ids = list(eos_ids)
         self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
         self.ngram = NgramDrafter()
+        self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
         from tlt.rollout.calibrate import Calibrator
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
@@ -90,6 +93,7 @@ class RolloutEngine:
         gen = torch.Generator(device=self.device).manual_seed(seed)
         t0 = time.perf_counter()
         outs = Outputs.empty(len(prompts) * group_size, opts["max_new"], self.device)
+        outs.group_size = group_size
         if capture is not None:
             outs.capture = Capture(list(capture))
         st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
@@ -113,6 +117,8 @@ class RolloutEngine:
             self._retire(st, outs)
         outs.stats["time_s"] = time.perf_counter() - t0
         batch = outs.to_batch(prompts, group_size)
+        for p, r in zip(batch.prompt_ids, batch.response_ids):
+            self.history.add(p, r)
         if outs.capture is not None:
             batch.features = outs.capture.sequences(prompts, group_size, batch.response_ids)
         return batch
@@ -248,13 +254,14 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     Every round of every prompt is a speculative round of `strategy` (threshold >= batch, no
     patience, no confidence pruning), so the number depends on the drafter and the prompts only,
     not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
-    per-row accept length does not depend on the batch); the engine's config and tuner are
-    restored afterwards. `responses` are the outputs (greedy SD is lossless: the target's own).
+    per-row accept length does not depend on the batch); the engine's config, tuner and prompt
+    history are restored afterwards (an n-gram strategy sees no earlier answers of the prompts). `responses` are the outputs (greedy SD is lossless: the target's own).
     """
     strategy = strategy or SpecStrategy(depth=4, topk=1, tokens=4)
     if strategy.plain:
         raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
-    old_cfg, old_tuner = engine.cfg, engine.tuner
+    old_cfg, old_tuner, old_history = engine.cfg, engine.tuner, engine.history
+    engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
     engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
                                             "strategy": strategy, "draft_min_prob": 0.0,
                                             "draft_stop_below": 0.0})
@@ -269,7 +276,7 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
             passes += out.stats["spec_row_passes"]
             responses += [list(r) for r in out.response_ids]
     finally:
-        engine.cfg, engine.tuner = old_cfg, old_tuner
+        engine.cfg, engine.tuner, engine.history = old_cfg, old_tuner, old_history
     return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)
 
 

@@ -68,10 +68,20 @@ def ancestor_mask(tree: DraftTree) -> torch.Tensor:
 
 # ---- drafting -------------------------------------------------------------------------------
 def propose_ngram(engine, st: DecodeState, outs: Outputs, strategy: SpecStrategy) -> DraftTree:
-    """Prompt-lookup tree per row over prompt + generated tokens."""
-    gen = outs.tok[st.rows].tolist()
-    rows = [engine.ngram.propose(p + g[:n], strategy.depth, strategy.topk, strategy.tokens)
-            for p, g, n in zip(st.prompts, gen, st.n_out.tolist())]
+    """N-gram lookup tree per row over prompt + generated tokens and, with `group_drafts`, the
+    other samples of its group (their tokens so far) and the prompt's earlier responses."""
+    n_out = outs.n.tolist()
+    gen = outs.tok.tolist()
+    own = [p + gen[r][:n_out[r]] for r, p in zip(st.rows.tolist(), st.prompts)]
+    refs = [()] * st.size
+    if engine.cfg.group_drafts:
+        # Each reference starts with the prompt's last max_n tokens (the group shares the prompt), so a
+        # member's tokens match at their own offset before anything that merely repeats later.
+        g, k = outs.group_size, engine.ngram.max_n
+        refs = [[p[-k:] + gen[j][:n_out[j]] for j in range(r // g * g, r // g * g + g) if j != r]
+                + [p[-k:] + h.tolist() for h in engine.history.get(p)] for r, p in zip(st.rows.tolist(), st.prompts)]
+    rows = [engine.ngram.propose(seq, strategy.depth, strategy.topk, strategy.tokens, ref)
+            for seq, ref in zip(own, refs)]
     return tree_from_nodes(rows, engine.device)
 
 
@@ -302,9 +312,10 @@ def accept_chain_sampled(logits: torch.Tensor, tree: DraftTree, q: torch.Tensor,
 # ---- one round ------------------------------------------------------------------------------
 def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen, outs: Outputs) -> int:
     """Draft, verify, accept, emit, update the caches. Returns the tokens emitted this round."""
-    eagle = engine.drafter is not None
+    eagle = engine.drafter is not None  # the verify forward feeds it (also in n-gram rounds: its cache stays whole)
+    model_drafts = eagle and strategy.source == "drafter"
     q = None
-    if eagle:
+    if model_drafts:
         temp = opts["temperature"] if engine.cfg.sampled_drafts else 0.0  # 0: argmax drafts, point-mass rule
         tree, q = propose_eagle(engine, st, strategy, temp, gen)
     else:
@@ -336,22 +347,23 @@ def spec_round(engine, st: DecodeState, strategy: SpecStrategy, opts: dict, gen,
     st.last = bonus
     if tree.conf is not None and engine.cfg.draft_stop_below > 0:
         engine.calibrator.update(tree.conf, tree.valid, n_acc)
-    _record(outs, st, tree, n_acc, count)
+    _record(outs, st, tree, n_acc, count, ngram=not model_drafts)
     return int(count.sum())
 
 
 def _queue_drafter_inputs(st: DecodeState, emitted, hidden, keep) -> None:
-    """Right-align (hidden of root+accepted, next token) per row as the drafter's pending inputs."""
+    """Right-align (hidden of root+accepted, next token) per row and append them to the drafter's
+    pending inputs (an n-gram round leaves the earlier ones unconsumed)."""
     bsz, m = emitted.shape
     shift = m - keep.sum(1, keepdim=True)  # [B, 1]
     src = (torch.arange(m, device=emitted.device)[None] - shift).clamp_min(0)  # [B, m]
     valid = torch.arange(m, device=emitted.device)[None] >= shift
     tok = emitted.gather(1, src)
     hid = hidden.gather(1, src[..., None].expand(bsz, m, hidden.shape[-1]))
-    st.pending = (tok, hid, st.pos[:, None] + src, valid)
+    st.add_pending(tok, hid, st.pos[:, None] + src, valid)
 
 
-def _record(outs: Outputs, st: DecodeState, tree: DraftTree, n_acc, count) -> None:
+def _record(outs: Outputs, st: DecodeState, tree: DraftTree, n_acc, count, ngram: bool = False) -> None:
     outs.drafted[st.rows] += tree.valid.sum(1)
     outs.accepted[st.rows] += n_acc
     outs.passes[st.rows] += 1
@@ -359,4 +371,7 @@ def _record(outs: Outputs, st: DecodeState, tree: DraftTree, n_acc, count) -> No
     s["spec_steps"] += 1
     s["spec_row_passes"] += st.size
     s["spec_tokens"] += int(count.sum())
+    if ngram:
+        s["ngram_row_passes"] += st.size
+        s["ngram_tokens"] += int(count.sum())
     outs.count_positions((tree.depth * tree.valid).amax(1) if tree.depth.numel() else n_acc * 0, n_acc)

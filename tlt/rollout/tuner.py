@@ -27,18 +27,31 @@ _DEFAULT_TABLE = [
 ]
 
 
+# Model-free n-gram arms per bucket (source ngram: drafts from the group's own rollouts, see
+# ngram.py). Drafting is free, so only verify cost counts: longer chains, and a 2-way tree where
+# the group's samples disagree; the last row serves any later bucket.
+_NGRAM_TABLE = [
+    [(4, 1, 4), (8, 1, 8), (6, 2, 8)],
+    [(3, 1, 3), (6, 1, 6)],
+    [(2, 1, 2), (4, 1, 4)],
+    [(2, 1, 2)],
+]
+
 PLAIN = SpecStrategy(depth=0, topk=1, tokens=0)  # the "no SD" arm: one plain decode step
 
 
-def default_arms(buckets: list[int], plain: bool = False) -> list[list[SpecStrategy]]:
-    """Arms per bucket from `_DEFAULT_TABLE` (bucket i uses row min(i, last)); `plain` adds the
-    no-SD arm to every bucket, so the bandit can switch SD off where drafting does not pay."""
-    rows = [_DEFAULT_TABLE[min(i, len(_DEFAULT_TABLE) - 1)] for i in range(len(buckets))]
-    return [[SpecStrategy(depth=d, topk=k, tokens=t) for d, k, t in row] + ([PLAIN] if plain else []) for row in rows]
+def default_arms(buckets: list[int], plain: bool = False, ngram: bool = False) -> list[list[SpecStrategy]]:
+    """Arms per bucket from `_DEFAULT_TABLE` (bucket i uses row min(i, last)); `ngram` adds the
+    model-free n-gram arms of `_NGRAM_TABLE`; `plain` adds the no-SD arm to every bucket, so the
+    bandit can switch SD off where drafting does not pay."""
+    def row(table, i, source):
+        return [SpecStrategy(depth=d, topk=k, tokens=t, source=source) for d, k, t in table[min(i, len(table) - 1)]]
+    return [row(_DEFAULT_TABLE, i, "drafter") + (row(_NGRAM_TABLE, i, "ngram") if ngram else [])
+            + ([PLAIN] if plain else []) for i in range(len(buckets))]
 
 
-def _key(s: SpecStrategy) -> tuple[int, int, int]:
-    return (s.depth, s.topk, s.tokens)
+def _key(s: SpecStrategy) -> tuple[int, int, int, str]:
+    return (s.depth, s.topk, s.tokens, s.source)
 
 
 class StrategyTuner:
@@ -57,10 +70,16 @@ class StrategyTuner:
 
     @classmethod
     def default(cls, buckets: list[int] | None = None, epsilon: float = 0.1, seed: int = 0,
-                window: int = 300, plain: bool = False) -> "StrategyTuner":
+                window: int = 300, plain: bool = False, ngram: bool = False) -> "StrategyTuner":
         """The default arms (`default_arms`) over `buckets`."""
         buckets = sorted(buckets or [1, 2, 5, 21])
-        return cls(default_arms(buckets, plain), buckets, epsilon=epsilon, seed=seed, window=window)
+        return cls(default_arms(buckets, plain, ngram), buckets, epsilon=epsilon, seed=seed, window=window)
+
+    @classmethod
+    def from_config(cls, r, seed: int = 0) -> "StrategyTuner":
+        """The default arms for a `RolloutConfig` (its buckets, epsilon, plain and n-gram arms)."""
+        return cls.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=seed, plain=r.tuner_plain_arm,
+                           ngram=r.tuner_ngram_arms)
 
     def bucket_of(self, batch_size: int) -> int:
         """Index of the bucket with the largest lower bound <= batch_size (bucket 0 below the first)."""

@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 
 from tlt.rollout.state import RolloutBatch
 
-_SUMMED = ("prefill_s", "decode_steps", "spec_steps", "tuner_plain_steps", "spec_row_passes", "spec_tokens", "tokens")
+_SUMMED = ("prefill_s", "decode_steps", "spec_steps", "tuner_plain_steps", "spec_row_passes", "spec_tokens",
+           "ngram_row_passes", "ngram_tokens", "tokens")
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
@@ -89,8 +90,7 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
         drafter = Eagle3Drafter(target_config, model.get_input_embeddings().weight, vd, aux_ids)
         drafter.load_state_dict(state, strict=True, assign=True)
         drafter.eval()
-    tuner = (StrategyTuner.default(cfg.tuner_buckets, epsilon=cfg.tuner_epsilon, seed=tuner_seed,
-                                   plain=cfg.tuner_plain_arm) if tuner_seed is not None else None)
+    tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
     engine = RolloutEngine(model, cfg, eos_ids, pad_id, drafter=drafter, tuner=tuner)
     res.put((rank, "ready", None))
     while True:
