@@ -121,3 +121,15 @@ def test_draw_curves_keeps_colours_when_a_series_is_empty():
     fig, axes = plots.new_figure()
     assert plots.draw_curves(axes[0, 0], {"a": [], "b": [(0, 1.0)]}, "t", "y") == 1
     assert axes[0, 0].lines[0].get_color() == "C1"
+
+
+def test_accept_vs_drift_one_line_per_arm(tmp_path):
+    arms = {"frozen": [2.5, 2.0, 1.8], "adaptive": [2.5, 2.4, 2.3], "control": [2.5, 2.1, 1.9]}
+    fig = plots.accept_vs_drift([0.0, 0.2, 0.4], arms, kl=[0.0, 0.1, 0.3])
+    left, right = fig.axes[0], fig.axes[1]
+    assert [line.get_label() for line in left.lines] == list(arms)
+    assert list(left.lines[1].get_xdata()) == [0.0, 0.2, 0.4] and list(left.lines[1].get_ydata()) == arms["adaptive"]
+    assert len(right.lines) == 3 and len(fig.axes) == 3  # the KL twin axis
+    _labelled(left)
+    _saves(fig, tmp_path)
+    assert plots.NO_DATA in _texts(plots.accept_vs_drift([], {}))

@@ -171,19 +171,24 @@ class Pipeline:
                                     drafter=self.drafter, tuner=tuner)
 
     # -- evaluation ----------------------------------------------------------------------------
-    def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy responses (token ids, EOS excluded) through the rollout engine (SD as configured)."""
+    def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int, sd: str = "config") -> list[list[int]]:
+        """Greedy responses (token ids, EOS excluded) through the rollout engine. sd: "config" (SD as
+        configured), "off", or "always" (speculate on every step, whatever the batch size)."""
+        if sd not in ("config", "off", "always"):
+            raise ValueError(f"sd must be 'config', 'off' or 'always', not {sd!r}")
+        kw = {"spec_threshold": len(prompts)} if sd == "always" else {}
         out = self.engine.generate(prompts, max_new_tokens=max_new_tokens, temperature=0.0,
-                                   spec=self.cfg.rollout.spec)
+                                   spec=self.cfg.rollout.spec if sd == "config" else sd == "always", **kw)
         return [[t for t in r if t not in self.eos_ids] for r in out.response_ids]
 
-    def evaluate(self, step: int) -> EvalSummary:
+    def evaluate(self, step: int, sd: str = "config") -> EvalSummary:
+        """Held-out accuracy (greedy, decoding as `generate_greedy(sd=...)`), accept lengths, logged."""
         from tlt.evaluate import evaluate
         from tlt.rl.rewards import get_reward_fn
 
         heldout = self.dataset.heldout
         summary, records = evaluate(
-            heldout, self.prompt_ids(heldout["prompt"]), self.generate_greedy,
+            heldout, self.prompt_ids(heldout["prompt"]), lambda p, n: self.generate_greedy(p, n, sd),
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), get_reward_fn(self.cfg.rl.reward),
             self.cfg.eval.max_new_tokens, self.cfg.eval.batch_size, step)
         metrics = {"eval/accuracy": summary.accuracy, "eval/response_length/mean": summary.mean_length,

@@ -189,3 +189,29 @@ def curves(history: dict[str, list[tuple[int, float]]], title: str) -> Figure:
     fig, axes = new_figure()
     draw_curves(axes[0, 0], history, title, _shared_label(list(history)))
     return fig
+
+
+def accept_vs_drift(drift: list[float], arms: dict[str, list[float]], kl: list[float] | None = None) -> Figure:
+    """Accept length of each drafter arm {name: [per policy snapshot]} against the policy's drift
+    (share of greedy tokens changed since step 0, one value per snapshot), and per RL step."""
+    fig, axes = new_figure(10.0, 4.0, ncols=2)
+    left, right = axes[0, 0], axes[0, 1]
+    if not drift or not any(arms.values()):
+        mark_no_data(left, "accept length vs drift")
+        mark_no_data(right, "accept length per RL step")
+        return fig
+    for i, (name, values) in enumerate(arms.items()):
+        left.plot(drift[: len(values)], values, marker="o", markersize=4, label=name, color=f"C{i % 10}")
+        right.plot(range(len(values)), values, marker="o", markersize=4, label=name, color=f"C{i % 10}")
+    left.set(title="accept length vs policy drift", xlabel="greedy tokens changed since step 0 (fraction)",
+             ylabel="accept length (tokens)")
+    right.set(title="accept length per RL step", xlabel="RL step", ylabel="accept length (tokens)")
+    right.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if kl:
+        twin = right.twinx()
+        twin.plot(range(len(kl)), kl, ls="--", color="0.5", label="KL(π_t ‖ π_0)")
+        twin.set_ylabel("KL(π_t ‖ π_0) per token (nats)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,388 @@
+"""The adaptive drafter under policy drift: frozen vs adaptive vs control on one policy trajectory.
+
+    python bench/adaptive.py conf/default.yaml --json out.json [--steps 5] [--rl-lr 1e-4]
+        [--drafter-steps 4] [--eval-prompts 64] [--eval-tokens 48] [--set k=v ...]
+
+One Pipeline run (SD off in its rollouts: SD is lossless, so the policy does not depend on the
+drafter) with a raised `rl.lr` so the policy really drifts. Its own refresher is the *adaptive*
+arm: `drafter.refresh_steps` sequential drafter steps on the online buffer after every policy
+update (`drafter.spot: false`, a fixed step count, not wall-clock dependent). From the same
+warm-started drafter: *frozen* (never trained again) and *control* (the same refresher code and
+step count on the warm-start corpus: more training without fresh data).
+
+Metric, per policy snapshot t = 0 (before RL) .. steps: the policy's greedy responses on the
+held-out prompts, one target forward for their hidden states, then every drafter teacher-forced
+through a depth-4 chain (tlt.drafter.accept_eval): the exact greedy accept length of the
+engine's rounds (tokens per verify pass) and the first-draft acceptance sum min(p, q) at the
+rollout temperature -- no bandit, no timing. Drift per snapshot: share of greedy response tokens
+that differ from the start policy's (position by position, length differences count), and the
+mean token KL(pi_t || pi_0) over the current responses. Paired bootstrap CIs over prompts.
+At the end one real SD run per arm (bench/rollout.py at batch 1, tuner off, fixed chain) on the
+final policy. Figures and metrics go to MLflow (experiment `tlt-bench`, `--mlflow-uri`).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPTH = 4
+ARMS = ("frozen", "adaptive", "control")
+
+
+def bench_config(config: str | None, overrides: list[str], steps: int, drafter_steps: int, rl_lr: float | None,
+                 eval_prompts: int, out_dir: Path):
+    """The run: SD off in the rollout, sequential refresh of `drafter_steps` steps after every update."""
+    from tlt.config import load_config
+
+    base = [f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}", "tracking.samples_every=0",
+            "rollout.spec=false", "drafter.spot=false", "drafter.refresh_every=1",
+            f"drafter.refresh_steps={drafter_steps}", f"rl.steps={steps}", f"data.heldout_size={eval_prompts}"]
+    if rl_lr is not None:
+        base.append(f"rl.lr={rl_lr}")
+    return load_config(config, base + list(overrides))
+
+
+def share_drafter(drafter):
+    """A deep copy of the drafter's weights that keeps the *target's* embedding and head shared
+    (EAGLE drafters read the current policy's embedding; only the drafter's own weights differ)."""
+    keep = {id(drafter.embed_weight): drafter.embed_weight}
+    if drafter.target_head is not None:
+        keep[id(drafter.target_head)] = drafter.target_head
+    return copy.deepcopy(drafter, memo=keep)
+
+
+def control_refresher(pipe, corpus, need_tokens: int):
+    """The adaptive arm's refresher code on a copy of the warm-started drafter and optimizer, its
+    buffer filled once with warm-start corpus sequences (every position weighted 1, like the online
+    buffer's): a seeded random subset of >= `need_tokens` tokens, so a corpus loaded from the cache
+    (no captured features) is re-forwarded only as far as the control can train on it."""
+    from tlt.drafter.refresh import DrafterRefresher
+    from tlt.drafter.train import DrafterTrainer
+    from tlt.drafter.warmstart import corpus_samples
+
+    d = pipe.cfg.drafter
+    drafter = share_drafter(pipe.drafter)
+    trainer = DrafterTrainer(drafter, d, pipe.model.get_output_embeddings().weight)
+    trainer.opt.load_state_dict(copy.deepcopy(pipe.refresher.trainer.opt.state_dict()))
+    trainer.num_steps = pipe.refresher.trainer.num_steps
+    ref = DrafterRefresher(trainer, d.model_copy(update={"buffer_max_tokens": max(d.buffer_max_tokens, 1 << 22)}),
+                           seed=pipe.cfg.rl.seed)
+    order = np.random.default_rng(pipe.cfg.rl.seed).permutation(len(corpus))
+    keep, n = [], 0
+    for i in order:
+        if n >= need_tokens:
+            break
+        keep.append(int(i))
+        n += len(corpus.prompt_ids[i]) + len(corpus.response_ids[i])
+    sub = copy.copy(corpus)
+    sub.prompt_ids = [corpus.prompt_ids[i] for i in keep]
+    sub.response_ids = [corpus.response_ids[i] for i in keep]
+    if corpus.features is not None:
+        sub.features = [corpus.features[i] for i in keep]
+    for s in corpus_samples(pipe.model, sub, drafter.aux_layer_ids, pipe.cfg):
+        ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], s["loss_mask"].bool())
+    return ref
+
+
+# ---------------------------------------------------------------- one policy snapshot
+@torch.no_grad()
+def greedy_samples(pipe, prompts: list[list[int]], max_new: int, batch: int = 16):
+    """Greedy responses (EOS kept, as the engine emits them) and drafter samples over prompt +
+    response whose target features were recorded by the decoding forwards (no second forward; the
+    never-fed last token gets zeros, which no draft of these responses reads)."""
+    responses, samples = [], []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        out = pipe.engine.generate(chunk, max_new_tokens=max_new, temperature=0.0, spec=False,
+                                   capture=pipe.drafter.aux_layer_ids)
+        for p, r, (aux, fin) in zip(chunk, out.response_ids, out.features):
+            responses.append(list(r))
+            samples.append({"input_ids": torch.tensor(p + list(r), dtype=torch.long), "aux": aux, "target_hidden": fin,
+                            "loss_mask": torch.arange(len(p) + len(r)) >= len(p)})
+    return responses, samples
+
+
+def token_drift(responses: list[list[int]], start: list[list[int]]) -> float:
+    """Share of greedy response positions whose token differs from the start policy's (a position
+    that only one of the two responses has counts as differing)."""
+    diff = total = 0
+    for a, b in zip(responses, start):
+        n = max(len(a), len(b))
+        diff += sum(1 for j in range(n) if j >= len(a) or j >= len(b) or a[j] != b[j])
+        total += n
+    return diff / max(total, 1)
+
+
+@torch.no_grad()
+def mean_kl(samples, prompt_lens: list[int], head: torch.Tensor, ref_model, batch: int = 8) -> float:
+    """Mean over response tokens of KL(pi_t || pi_0) of the next-token distributions that produced
+    them; pi_t from the recorded final hidden states, pi_0 from one `ref_model` forward per batch."""
+    total, n = 0.0, 0
+    for i in range(0, len(samples), batch):
+        chunk, plens = samples[i:i + batch], prompt_lens[i:i + batch]
+        L = max(s["input_ids"].shape[0] for s in chunk)
+        ids = torch.zeros(len(chunk), L, dtype=torch.long)
+        attn = torch.zeros(len(chunk), L, dtype=torch.long)
+        for j, s in enumerate(chunk):
+            ids[j, :s["input_ids"].shape[0]] = s["input_ids"]
+            attn[j, :s["input_ids"].shape[0]] = 1
+        logits0 = ref_model(input_ids=ids, attention_mask=attn).logits
+        for j, (s, P) in enumerate(zip(chunk, plens)):
+            T = s["input_ids"].shape[0]
+            if T - P < 1:
+                continue
+            lt = torch.log_softmax(s["target_hidden"][P - 1:T - 1].float() @ head.float().T, -1)
+            l0 = torch.log_softmax(logits0[j, P - 1:T - 1].float(), -1)
+            total += float((lt.exp() * (lt - l0)).sum())
+            n += T - P
+    return total / max(n, 1)
+
+
+def snapshot(pipe, prompts, max_new: int, drafters: dict, ref_model, start_responses, temperature: float,
+             kl_prompts: int) -> dict:
+    """Greedy responses of the current policy, their features, drift (KL on the first `kl_prompts`
+    prompts: pi_0 needs a forward of its own) and every arm's accept lengths."""
+    from tlt.drafter.accept_eval import evaluate_drafter
+
+    t0 = time.perf_counter()
+    responses, samples = greedy_samples(pipe, prompts, max_new)
+    plens = [len(p) for p in prompts]
+    head = pipe.model.get_output_embeddings().weight
+    evals = {name: evaluate_drafter(d, samples, plens, DEPTH, temperature, head) for name, d in drafters.items()}
+    rec = {"responses": responses, "samples": samples, "plens": plens, "evals": evals,
+           "drift": 0.0 if start_responses is None else token_drift(responses, start_responses),
+           "kl": 0.0 if start_responses is None else mean_kl(samples[:kl_prompts], plens[:kl_prompts], head, ref_model),
+           "response_len": float(np.mean([len(r) for r in responses])), "eval_s": time.perf_counter() - t0}
+    return rec
+
+
+# ---------------------------------------------------------------- statistics
+def paired_bootstrap(a, b, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> list[float]:
+    """CI of accept(a) / accept(b) over prompts resampled with replacement (pairs kept together);
+    a, b are AcceptEvals on the same prompts (accept = sum tokens / sum passes)."""
+    rng = np.random.default_rng(seed)
+    N = len(a.tokens)
+    idx = rng.integers(0, N, size=(n_boot, N))
+    ra = a.tokens[idx].sum(1) / np.maximum(a.passes[idx].sum(1), 1)
+    rb = b.tokens[idx].sum(1) / np.maximum(b.passes[idx].sum(1), 1)
+    ratio = ra / np.maximum(rb, 1e-9)
+    lo = (1 - level) / 2
+    return [float(np.quantile(ratio, lo)), float(np.quantile(ratio, 1 - lo))]
+
+
+# ---------------------------------------------------------------- the real SD check
+def sd_check(pipe, drafters: dict, out_dir: Path, row_prompts: int, max_new: int) -> dict:
+    """bench/rollout.py at batch 1, tuner off, on the final policy, per arm (exported drafters)."""
+    from tlt.export import export_eagle3
+
+    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
+    rollout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rollout)
+    out = {}
+    for name, d in drafters.items():
+        path = export_eagle3(d, pipe.model.config, out_dir / f"drafter_{name}", force=True)
+        res = rollout.run_bench(pipe.cfg, str(path), batches=(1,), max_new_tokens=max_new, reps=1, grpo=False,
+                                model_and_tokenizer=(pipe.model, pipe.tokenizer), prompts="task",
+                                row_prompts=row_prompts, tuner=False)
+        row = res["rows"][0]
+        out[name] = {"speedup_vs_plain": row["speedup_vs_plain"], "spec_tok_s": row["spec_tok_s"],
+                     "plain_tok_s": row["plain_tok_s"], "accept_len": row["accept_len_mean"],
+                     "accept_len_greedy_measure": res["accept_len_greedy"],
+                     "accept_len_sampled_measure": res["accept_len_sampled"],
+                     "greedy_identical": res["greedy_identical"]}
+    return out
+
+
+# ---------------------------------------------------------------- the run
+def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir: Path, tracker=None) -> dict:
+    from tlt.pipeline import Pipeline
+
+    pipe = Pipeline(cfg)
+    pipe.validate_data()
+    pipe.prepare()
+    corpus = pipe.build_corpus()  # once, with its captured features: warm-start and control share it
+    ws = pipe.warmstart(corpus)
+    prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"])
+    frozen = share_drafter(pipe.drafter)
+    d = cfg.drafter
+    control = control_refresher(pipe, corpus, 2 * steps * d.refresh_steps * d.batch_tokens)
+    drafters = {"frozen": frozen, "adaptive": pipe.drafter, "control": control.drafter}
+    ref_model = copy.deepcopy(pipe.model).eval()  # pi_0, for KL(pi_t || pi_0)
+    temp = cfg.rollout.temperature or 1.0
+    snaps = [snapshot(pipe, prompts, max_new, drafters, ref_model, None, temp, kl_prompts)]
+    start = snaps[0]["responses"]
+    log_snapshot(tracker, 0, snaps[0])
+    steps_log = []
+    try:
+        for step in range(steps):
+            s = pipe.rl_step(step)
+            c = control.refresh(step)
+            m = s.metrics
+            steps_log.append({"step_s": m["timing_s/step"], "drafter_s": m.get("timing_s/update_drafter", 0.0),
+                              "drafter_steps": m.get("drafter/steps", 0.0), "control_steps": c.get("drafter/steps", 0.0),
+                              "reward_mean": m["reward/mean"], "buffer_tokens": m.get("drafter/buffer_tokens", 0.0),
+                              "drafter_loss": m.get("drafter/loss"), "control_loss": c.get("drafter/loss")})
+            for rec in snaps:  # only the newest snapshot's features are needed again
+                rec.pop("samples", None)
+            snaps.append(snapshot(pipe, prompts, max_new, drafters, ref_model, start, temp, kl_prompts))
+            log_snapshot(tracker, step + 1, snaps[-1])
+            e = snaps[-1]["evals"]
+            print(f"step {step + 1}: drift {snaps[-1]['drift']:.3f}, KL {snaps[-1]['kl']:.4f}, accept "
+                  + ", ".join(f"{a} {e[a].accept_len:.3f}" for a in ARMS)
+                  + f" | RL step {m['timing_s/step']:.1f} s, drafter {steps_log[-1]['drafter_s']:.2f} s, "
+                  f"reward {m['reward/mean']:.3f}", flush=True)
+        last = snaps[-1]
+        from tlt.drafter.accept_eval import evaluate_drafter
+        again = evaluate_drafter(frozen, last["samples"], last["plens"], DEPTH, temp,
+                                 pipe.model.get_output_embeddings().weight)
+        recheck = bool(again.tokens.tolist() == last["evals"]["frozen"].tokens.tolist()
+                       and again.passes.tolist() == last["evals"]["frozen"].passes.tolist())
+        sd = sd_check(pipe, {"frozen": frozen, "adaptive": pipe.drafter}, out_dir, sd_prompts, max_new) \
+            if sd_prompts else None
+    finally:
+        if pipe.refresher is not None:
+            pipe.refresher.close()
+    return {"snaps": snaps, "steps": steps_log, "warmstart": ws, "frozen_recheck_equal": recheck, "sd_check": sd,
+            "cfg": cfg}
+
+
+def log_snapshot(tracker, step: int, rec: dict) -> None:
+    if tracker is None:
+        return
+    m = {"adaptive/drift_token_share": rec["drift"], "adaptive/kl": rec["kl"],
+         "adaptive/response_length": rec["response_len"]}
+    for name, ev in rec["evals"].items():
+        m[f"adaptive/accept_len/{name}"] = ev.accept_len
+        m[f"adaptive/first_accept/{name}"] = ev.first_accept
+    tracker.log_metrics(m, step=step)
+
+
+def summarize(out: dict, steps: int, drafter_steps: int) -> dict:
+    snaps, log = out["snaps"], out["steps"]
+    acc = {a: [s["evals"][a].accept_len for s in snaps] for a in ARMS}
+    first = {a: [s["evals"][a].first_accept for s in snaps] for a in ARMS}
+    pos = {a: [s["evals"][a].accept_pos for s in snaps] for a in ARMS}
+    last = snaps[-1]["evals"]
+    rl_s = [s["step_s"] for s in log]
+    dr_s = [s["drafter_s"] for s in log]
+    n_steps = np.diff([0.0] + [s["drafter_steps"] for s in log]).tolist()
+    cfg = out["cfg"]
+    res = {"steps": steps, "snapshots": "index 0 = the start policy (before RL), index t = after t RL steps",
+           "eval_prompts": len(snaps[0]["responses"]), "depth": DEPTH,
+           "drift_token_share": [s["drift"] for s in snaps], "kl": [s["kl"] for s in snaps],
+           "response_length": [s["response_len"] for s in snaps],
+           **{f"accept_{a}": acc[a] for a in ARMS},
+           **{f"first_accept_{a}": first[a] for a in ARMS},
+           **{f"accept_pos_{a}": pos[a] for a in ARMS},
+           "gain_vs_frozen": acc["adaptive"][-1] / acc["frozen"][-1],
+           "gain_vs_control": acc["adaptive"][-1] / acc["control"][-1],
+           "gain_vs_frozen_ci": paired_bootstrap(last["adaptive"], last["frozen"]),
+           "gain_vs_control_ci": paired_bootstrap(last["adaptive"], last["control"]),
+           "drafter_steps_per_rl_step": float(np.mean(n_steps)) if n_steps else 0.0,
+           "drafter_steps_configured": drafter_steps,
+           "drafter_s_per_rl_step": float(np.mean(dr_s)) if dr_s else 0.0,
+           "rl_step_s": float(np.mean(rl_s)) if rl_s else 0.0,
+           "drafter_share_of_rl_step": float(sum(dr_s) / max(sum(rl_s), 1e-9)),
+           "reward_mean": [s["reward_mean"] for s in log],
+           "frozen_recheck_equal": out["frozen_recheck_equal"],
+           "warmstart_accept_len": out["warmstart"].accept_len_after,
+           "rl_lr": cfg.rl.lr, "rollout_temperature": cfg.rollout.temperature,
+           "sd_check": out["sd_check"], "per_step": log}
+    return res
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{'step':>4} {'drift':>6} {'KL':>7} " + " ".join(f"{a:>9}" for a in ARMS)
+          + "  first-draft accept at T (frozen / adaptive / control)")
+    for t in range(len(res["drift_token_share"])):
+        print(f"{t:>4} {res['drift_token_share'][t]:>6.3f} {res['kl'][t]:>7.4f} "
+              + " ".join(f"{res[f'accept_{a}'][t]:>9.3f}" for a in ARMS) + "  "
+              + " / ".join(f"{res[f'first_accept_{a}'][t]:.3f}" for a in ARMS))
+    lo, hi = res["gain_vs_frozen_ci"]
+    print(f"\nadaptive vs frozen x{res['gain_vs_frozen']:.3f} (95 % CI {lo:.3f}-{hi:.3f}), vs control "
+          f"x{res['gain_vs_control']:.3f}; drafter {res['drafter_steps_per_rl_step']:.1f} steps, "
+          f"{res['drafter_s_per_rl_step']:.2f} s per RL step ({100 * res['drafter_share_of_rl_step']:.1f} % of "
+          f"{res['rl_step_s']:.1f} s); frozen recomputed identically: {res['frozen_recheck_equal']}")
+    for name, row in (res["sd_check"] or {}).items():
+        print(f"SD check {name:>8}: x{row['speedup_vs_plain']:.2f} vs plain at batch 1, accept {row['accept_len']:.2f}"
+              f" (measure_accept greedy {row['accept_len_greedy_measure']:.2f}), greedy identical "
+              f"{row['greedy_identical']}")
+
+
+def log_to_mlflow(tracker, res: dict) -> None:
+    from tlt.plots import accept_vs_drift
+
+    tracker.log_params({"rl_lr": res["rl_lr"], "steps": res["steps"], "eval_prompts": res["eval_prompts"],
+                        "drafter_steps": res["drafter_steps_configured"]})
+    tracker.log_metrics({"adaptive/gain_vs_frozen": res["gain_vs_frozen"],
+                         "adaptive/gain_vs_control": res["gain_vs_control"],
+                         "adaptive/gain_vs_frozen_ci_low": res["gain_vs_frozen_ci"][0],
+                         "adaptive/drafter_s_per_rl_step": res["drafter_s_per_rl_step"]}, step=res["steps"])
+    fig = accept_vs_drift(res["drift_token_share"], {a: res[f"accept_{a}"] for a in ARMS}, res["kl"])
+    tracker.log_figure(fig, "adaptive/accept_vs_drift.png")
+    tracker.log_dict(res, "adaptive/result.json")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--json", dest="json_out")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rl-lr", type=float, default=1e-4, help="policy LR of the trajectory (drift); 0 = the config's")
+    ap.add_argument("--drafter-steps", type=int, default=None,
+                    help="drafter steps per RL step, adaptive and control (default: drafter.refresh_steps)")
+    ap.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts (data.heldout_size)")
+    ap.add_argument("--eval-tokens", type=int, default=48, help="greedy tokens per held-out prompt")
+    ap.add_argument("--kl-prompts", type=int, default=16, help="held-out prompts of the KL estimate")
+    ap.add_argument("--sd-prompts", type=int, default=8, help="prompts of the final SD check (0 = skip it)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--mlflow-uri", default=None, help="tracking store (default: the project's mlflow/)")
+    ap.add_argument("--no-mlflow", action="store_true")
+    ap.add_argument("--out-dir", default=None, help="run folder (default: a temporary folder, removed)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-adaptive-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from tlt.config import load_config
+
+    n_drafter = args.drafter_steps or load_config(args.config, args.overrides).drafter.refresh_steps
+    cfg = bench_config(args.config, args.overrides, args.steps, n_drafter, args.rl_lr or None, args.eval_prompts,
+                       out_dir / "runs")
+    tracker = None
+    if not args.no_mlflow:
+        from tlt.tracking import MlflowTracker
+
+        tracker = MlflowTracker("tlt-bench", run_name="adaptive", uri=args.mlflow_uri)
+    try:
+        out = run(cfg, args.steps, args.eval_tokens, args.sd_prompts, args.kl_prompts, out_dir, tracker)
+        res = summarize(out, args.steps, n_drafter)
+        res["command"] = " ".join(["python bench/adaptive.py", *(argv if argv is not None else sys.argv[1:])])
+        if tracker is not None:
+            log_to_mlflow(tracker, res)
+            res["mlflow_run_id"] = tracker.run_id
+    finally:
+        if tracker is not None:
+            tracker.end()
+        if args.out_dir is None:
+            shutil.rmtree(out_dir, ignore_errors=True)
+    print_table(res)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+if __name__ == "__main__":
+    main()
