@@ -86,26 +86,18 @@ def step_record(pipe, summary) -> dict:
             "spec_enabled_share": m.get("spec/enabled_share", 0.0), "tail_share": m.get("rollout/tail_share"),
             "response_length_mean": m.get("rollout/response_length/mean"),
             "drafter_spot_steps": m.get("drafter/spot_steps"), "drafter_loss": m.get("drafter/loss"),
+            "tokens_per_target_forward": m.get("rollout/tokens_per_target_forward"),
+            "ngram_share": m.get("spec/ngram_share", 0.0),
             "rewards": [float(s["reward"]) for s in pipe.ctx.samples],
             "group_index": [int(g) for g in batch.group_index], "prompts": prompts}
 
 
 def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
-    """Evaluate with SD forced on at every decode step (threshold = eval batch), then with SD off,
-    on the same weights; greedy SD must give token-identical responses."""
-    eng, spec = pipe.engine, pipe.cfg.rollout.spec
-    old = eng.cfg
-    eng.cfg = old.model_copy(update={"spec_threshold": pipe.cfg.eval.batch_size})
-    try:
-        on = pipe.evaluate(step)
-    finally:
-        eng.cfg = old
+    """Evaluate with SD on at every decode step (`sd="always"`), then with SD off, on the same
+    weights; greedy SD must give token-identical responses."""
+    on = pipe.evaluate(step, sd="always")
     records_on = pipe.last_eval_records
-    pipe.cfg.rollout.spec = False  # generate_greedy reads it
-    try:
-        off = pipe.evaluate(step)
-    finally:
-        pipe.cfg.rollout.spec = spec
+    off = pipe.evaluate(step, sd="off")
     same = [a["response"] for a in records_on] == [b["response"] for b in pipe.last_eval_records]
     return same, {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy, "accept_len": on.accept_len,
                   "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
@@ -249,12 +241,23 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
     curve = lambda m, k: [s[k] for s in runs[m]["steps"]]  # noqa: E731 - per-step series of one run
     step_s = {m: mean_excluding_first(curve(m, "step_s")) for m in runs}
     a = runs["adaptive"]["steps"]
+    rollout_s = {m: mean_excluding_first(curve(m, "rollout_s")) for m in runs}
+    rollout_speedup = rollout_s["plain"] / rollout_s["adaptive"]
+    share = rollout_s["plain"] / step_s["plain"]
+    tpf = {m: mean_excluding_first([x or 0.0 for x in curve(m, "tokens_per_target_forward")]) for m in runs}
     res = {"steps": steps, "excluded_from_means": "step 0" if steps > 1 else "nothing (one step)",
            "step_s_plain": step_s["plain"], "step_s_spec": step_s["adaptive"], "step_s_frozen": step_s["frozen"],
            "step_s_trl": trl["step_s"] if trl else None,
            "speedup_vs_plain": step_s["plain"] / step_s["adaptive"],
            "speedup_frozen_vs_plain": step_s["plain"] / step_s["frozen"],
            "speedup_vs_trl": trl["step_s"] / step_s["adaptive"] if trl else None,
+           "rollout_s_plain": rollout_s["plain"], "rollout_s_spec": rollout_s["adaptive"],
+           "rollout_s_frozen": rollout_s["frozen"], "rollout_speedup": rollout_speedup,
+           "rollout_speedup_frozen": rollout_s["plain"] / rollout_s["frozen"],
+           "rollout_share_plain": share, "amdahl_bound": 1.0 / (1.0 - share + share / rollout_speedup),
+           "tokens_per_target_forward": tpf["adaptive"], "tokens_per_target_forward_plain": tpf["plain"],
+           "tokens_per_target_forward_frozen": tpf["frozen"],
+           "ngram_share": mean_excluding_first(curve("adaptive", "ngram_share")),
            "accept_len_adaptive": runs["adaptive"]["eval"]["accept_len"],
            "accept_len_frozen": runs["frozen"]["eval"]["accept_len"],
            "accept_len_what": "held-out greedy accept length at batch 1 after the last step (Pipeline.evaluate)",
@@ -268,7 +271,8 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
            **parity(runs["plain"]["steps"], a),
            "curves": {m: {k: curve(m, k) for k in ("step_s", "rollout_s", "update_policy_s", "update_drafter_s",
                                                     "reward_mean", "accept_len", "spec_enabled_share", "tail_share",
-                                                    "response_length_mean", "drafter_spot_steps")} for m in runs},
+                                                    "response_length_mean", "drafter_spot_steps",
+                                                    "tokens_per_target_forward", "ngram_share")} for m in runs},
            "eval": {m: runs[m]["eval"] for m in runs}, "trl": trl}
     return res
 
@@ -290,6 +294,10 @@ def print_table(res: dict) -> None:
     trl = f", vs TRL x{res['speedup_vs_trl']:.2f}" if res["trl"] else ""
     print(f"\nmeans over steps 1..N-1 ({res['excluded_from_means']} excluded); speedup adaptive vs plain "
           f"x{res['speedup_vs_plain']:.2f}, frozen vs plain x{res['speedup_frozen_vs_plain']:.2f}{trl}")
+    print(f"rollout x{res['rollout_speedup']:.2f} (frozen x{res['rollout_speedup_frozen']:.2f}), rollout share "
+          f"{res['rollout_share_plain']:.2f} of the plain step -> Amdahl bound x{res['amdahl_bound']:.2f}; tokens per "
+          f"target forward {res['tokens_per_target_forward']:.2f} (plain {res['tokens_per_target_forward_plain']:.2f}); "
+          f"n-gram share of SD tokens {res['ngram_share']:.2f}")
     print(f"drafter overhead share {res['drafter_overhead_share']:.3f} (sync {res['drafter_sync_share']:.3f}); "
           f"same warm-start drafter {res['same_warmstart_drafter']}; greedy eval identical {res['greedy_eval_identical']}")
     print(f"reward curves match: {res['reward_curves_match']} (p = {res['parity_p_value']:.3f}, "

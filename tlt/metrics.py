@@ -61,6 +61,9 @@ def rollout_metrics(batch) -> dict[str, float]:
     out = {"rollout/time_s": time_s,
            "rollout/tokens_per_s": sum(lengths) / time_s if time_s > 0 else 0.0,
            "rollout/tail_share": stats.get("tail_time_s", 0.0) / time_s if time_s > 0 else 0.0}
+    if stats.get("target_forwards"):  # batched target forwards (prefill, decode steps, verifies) of the rollout
+        out["rollout/target_forwards"] = float(stats["target_forwards"])
+        out["rollout/tokens_per_target_forward"] = sum(lengths) / stats["target_forwards"]
     if "worker_idle_s" in stats:  # sharded rollout (tlt.rollout.workers): worker-seconds spent waiting
         out["rollout/worker_idle_s"] = float(stats["worker_idle_s"])
     out.update(length_metrics(lengths))

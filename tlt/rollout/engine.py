@@ -70,13 +70,16 @@ class RolloutEngine:
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, capture: list[int] | None = None) -> RolloutBatch:
+                 spec: bool | None = None, capture: list[int] | None = None,
+                 spec_threshold: int | None = None) -> RolloutBatch:
         """Sample `group_size` responses per prompt.
 
         capture: target hidden-state ids (HF `hidden_states` indices, e.g. a drafter's aux ids):
         the batch then carries `features`, per sequence (aux [T,len*H], final hidden [T,H]) over
         prompt + response, recorded by the decode forwards themselves (no second forward; the
         last response token, never fed, gets zeros). Plain decoding only (spec must be off).
+        spec_threshold: this call's tail threshold instead of `cfg.spec_threshold` (e.g. the batch
+        size: speculate on every step).
 
         Returns a `RolloutBatch` with len(prompts) * group_size sequences, group-major
         (sequence i belongs to prompt i // group_size). `logprobs` are the policy log-probs of
@@ -88,6 +91,8 @@ class RolloutEngine:
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
         use_spec = cfg.spec if spec is None else spec
+        threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
+        calls0 = self.forward_calls
         if capture is not None and use_spec:
             raise ValueError("generate(capture=...) records plain decoding only: pass spec=False")
         gen = torch.Generator(device=self.device).manual_seed(seed)
@@ -101,8 +106,8 @@ class RolloutEngine:
         in_tail, below = False, 0
         while st.size > 0:
             n_run = st.size
-            below = below + 1 if n_run <= cfg.spec_threshold else 0
-            if not in_tail and n_run <= cfg.spec_threshold:
+            below = below + 1 if n_run <= threshold else 0
+            if not in_tail and n_run <= threshold:
                 in_tail = True
                 if self.on_tail is not None:
                     self.on_tail(n_run)
@@ -112,10 +117,11 @@ class RolloutEngine:
             else:
                 self._plain_step(st, opts, gen, outs)
             dt = time.perf_counter() - t_step
-            if n_run <= cfg.spec_threshold:
+            if n_run <= threshold:
                 outs.stats["tail_time_s"] += dt
             self._retire(st, outs)
         outs.stats["time_s"] = time.perf_counter() - t0
+        outs.stats["target_forwards"] = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
         for p, r in zip(batch.prompt_ids, batch.response_ids):
             self.history.add(p, r)

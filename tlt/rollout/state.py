@@ -104,7 +104,7 @@ class Outputs:
         z = lambda dt=torch.long: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
         stats = {"time_s": 0.0, "prefill_s": 0.0, "tail_time_s": 0.0, "decode_steps": 0, "spec_steps": 0, "tuner_plain_steps": 0,
                  "spec_row_passes": 0, "spec_tokens": 0,
-                 "ngram_row_passes": 0, "ngram_tokens": 0, "accepted_pos": [], "drafted_pos": [],
+                 "ngram_row_passes": 0, "ngram_tokens": 0, "target_forwards": 0, "accepted_pos": [], "drafted_pos": [],
                  "strategy": {}}
         return cls(torch.zeros(n, max_new, dtype=torch.long, device=device),
                    torch.zeros(n, max_new, dtype=torch.float32, device=device), z(), z(torch.bool),

@@ -229,11 +229,12 @@ class VllmRolloutEngine:
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None) -> RolloutBatch:
+                 spec: bool | None = None, spec_threshold: int | None = None) -> RolloutBatch:
         """Sample `group_size` responses per prompt, group-major (sequence i is prompt i // group_size).
 
         logprobs: log-probs of the sampled tokens under the raw logits at temperature 1 (vLLM's
-        raw_logprobs), as RolloutBatch defines them. `spec` is ignored (see the class doc).
+        raw_logprobs), as RolloutBatch defines them. `spec` and `spec_threshold` are ignored (see the
+        class doc).
         """
         self.sync()
         cfg = self.cfg

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from tlt.rollout.state import RolloutBatch
 
 _SUMMED = ("prefill_s", "decode_steps", "spec_steps", "tuner_plain_steps", "spec_row_passes", "spec_tokens",
-           "ngram_row_passes", "ngram_tokens", "tokens")
+           "ngram_row_passes", "ngram_tokens", "target_forwards", "tokens")
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
@@ -169,14 +169,14 @@ class WorkerPool:
 
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None) -> RolloutBatch:
+                 spec: bool | None = None, spec_threshold: int | None = None) -> RolloutBatch:
         """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`."""
         self.sync()
         sizes = shard_sizes(len(prompts), self.n)
         t0, start = time.perf_counter(), 0
         for i, size in enumerate(sizes):
             kw = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                      seed=seed + i, spec=spec)
+                      seed=seed + i, spec=spec, spec_threshold=spec_threshold)
             self.cmds[i].put(("generate", prompts[start:start + size], kw))
             start += size
         parts: dict[int, RolloutBatch] = {}
