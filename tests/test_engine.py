@@ -140,13 +140,22 @@ def test_tuner_in_the_loop_records_strategies(model):
 
 
 def test_metrics_of_a_speculative_rollout(model):
-    out = _engine(model, spec_threshold=4, strategy=CHAIN).generate(_prompts(6, 64, seed=9), group_size=2,
-                                                                      temperature=1.0, spec=True)
+    """SD from the first decode step (threshold = all 12 rows), so the accept metrics always exist:
+    tokens per verify pass = 1 + accepted drafts per pass, within 1 .. depth + 1."""
+    out = _engine(model, spec_threshold=12, strategy=CHAIN).generate(_prompts(6, 64, seed=9), group_size=2,
+                                                                       temperature=1.0, spec=True)
     m = rollout_metrics(out)
     assert m["rollout/response_length/max"] <= 20 and m["rollout/tokens_per_s"] > 0
-    assert 0 <= m["rollout/tail_share"] <= 1 and 0 <= m["spec/enabled_share"] <= 1
-    if out.stats["spec_steps"]:
-        assert m["spec/accept_len/mean"] >= 1 and "spec/accept_rate/pos_0" in m
+    assert 0 <= m["rollout/tail_share"] <= 1 and 0 < m["spec/enabled_share"] <= 1
+    s = out.stats
+    assert s["spec_steps"] > 0 and "spec/accept_rate/pos_0" in m
+    # every row emitted its prefill token, then only SD rounds: tokens - rows came from SD
+    assert s["spec_tokens"] == sum(map(len, out.response_ids)) - len(out.response_ids)
+    assert m["spec/accept_len/mean"] == pytest.approx(s["spec_tokens"] / s["spec_row_passes"])
+    assert 1.0 <= m["spec/accept_len/mean"] <= CHAIN.depth + 1
+    # truncation at EOS / max_new can only drop accepted tokens: passes + accepted >= tokens
+    assert s["spec_tokens"] <= s["spec_row_passes"] + sum(out.accepted)
+    assert m["spec/accept_rate"] == pytest.approx(sum(out.accepted) / sum(out.drafted))
 
 
 def test_plain_arm_of_the_tuner_is_lossless_and_tried(model):
