@@ -1,0 +1,25 @@
+"""bench/schedules.py at tiny scale (conf/smoke.yaml, 2 RL steps): each schedule delivers what it
+promises -- none trains nothing, the sequential budget is exact, the spot trainer is counted.
+No timing assertions (shared machines)."""
+from pathlib import Path
+
+import pytest
+from bench_scripts import load_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+bench = load_bench("schedules")
+
+
+@pytest.mark.slow
+def test_schedules_smoke(tmp_path):
+    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", "2", "--drafter-steps", "3",
+                      "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "s.json")])
+    arms, per = res["arms"], res["per_step"]
+    assert set(arms) == {"none", "spot", "sequential"}
+    assert all(r["drafter_steps"] == 0 and r["drafter_s"] == 0 for r in per["none"])
+    assert [r["drafter_steps"] for r in per["sequential"]] == [3, 3]  # the buffer is filled before the refresh
+    assert per["spot"][0]["drafter_steps"] == 0  # step 0: the tail comes before any rollout is buffered
+    assert all(r["drafter_steps"] >= 0 for r in per["spot"])
+    assert arms["none"]["rollout_slowdown_vs_none"] == pytest.approx(1.0)
+    for a in arms.values():
+        assert 0.0 <= a["drafter_share_of_step"] < 1.0
