@@ -351,7 +351,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mlflow-uri", default=None, help="tracking store (default: the project's mlflow/)")
     ap.add_argument("--no-mlflow", action="store_true")
     ap.add_argument("--out-dir", default=None, help="run folder (default: a temporary folder, removed)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is "
+                    "faster than 2 on a 2-core box that other jobs share)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-adaptive-"))
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -261,13 +261,16 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     patience, no confidence pruning), so the number depends on the drafter and the prompts only,
     not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
     per-row accept length does not depend on the batch); the engine's config, tuner and prompt
-    history are restored afterwards (an n-gram strategy sees no earlier answers of the prompts). `responses` are the outputs (greedy SD is lossless: the target's own).
+    history are restored afterwards (an n-gram strategy sees no earlier answers of the prompts).
+    `responses` are the outputs (greedy SD is lossless: the target's own).
     """
     strategy = strategy or SpecStrategy(depth=4, topk=1, tokens=4)
     if strategy.plain:
         raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
-    old_cfg, old_tuner, old_history = engine.cfg, engine.tuner, engine.history
-    engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
+    old_cfg, old_tuner = engine.cfg, engine.tuner
+    old_history = getattr(engine, "history", None)  # engines without n-gram drafts (vLLM) keep none
+    if old_history is not None:
+        engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
     engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
                                             "strategy": strategy, "draft_min_prob": 0.0,
                                             "draft_stop_below": 0.0})
@@ -282,7 +285,9 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
             passes += out.stats["spec_row_passes"]
             responses += [list(r) for r in out.response_ids]
     finally:
-        engine.cfg, engine.tuner, engine.history = old_cfg, old_tuner, old_history
+        engine.cfg, engine.tuner = old_cfg, old_tuner
+        if old_history is not None:
+            engine.history = old_history
     return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)
 
 
