@@ -231,6 +231,9 @@ class ExportConfig(Stage):
 class DeployConfig(Stage):
     cron: str = Field("0 3 * * *", description="Schedule of the tlt-train/retrain deployment")
     timezone: str = Field("UTC", description="Time zone of the cron schedule")
+    on_missing_champion_policy: Literal["error", "base"] = Field(
+        "error", description="Retrain when the champion's policy checkpoint is gone: stop with an error naming the "
+        "path, or continue from the base policy (model.name_or_path; logged as a warning, tag retrain.policy=base)")
 
 
 class RunConfig(Stage):

@@ -142,16 +142,19 @@ class Pipeline:
         return summary
 
     def _load_champion_policy(self) -> None:
-        """Retrain: continue from the policy checkpoint that the champion drafter was trained with."""
+        """Retrain: continue from the policy checkpoint that the champion drafter was trained with
+        (tlt.retrain.champion_policy: a missing one is an error unless the config allows the base)."""
         from safetensors.torch import load_file
 
+        from tlt.retrain import champion_policy
         from tlt.tracking import champion
 
         self.champion = champion(self.cfg.export.model_name, self.cfg.tracking.tracking_uri)
-        ckpt = (self.champion or {}).get("tags", {}).get("policy_checkpoint")
-        if ckpt and (Path(ckpt) / "policy.safetensors").exists():
-            self.model.load_state_dict(load_file(Path(ckpt) / "policy.safetensors"), strict=True)
-            self.tracker.set_tags({"retrain.from_version": self.champion["version"], "retrain.policy": ckpt})
+        path = champion_policy(self.champion, self.cfg.deploy.on_missing_champion_policy)
+        if path is not None:
+            self.model.load_state_dict(load_file(path), strict=True)
+        self.tracker.set_tags({"retrain.from_version": (self.champion or {}).get("version", "none"),
+                               "retrain.policy": str(path.parent) if path is not None else "base"})
 
     def _build_engine(self) -> None:
         from tlt.drafter.model import build_drafter
@@ -300,10 +303,11 @@ class Pipeline:
 
     def promote(self, export: ExportSummary) -> bool:
         """Move the `champion` alias to the new version unless held-out accept length dropped."""
+        from tlt.retrain import champion_accept_len, should_promote
         from tlt.tracking import set_champion
 
-        old = float((self.champion or {}).get("tags", {}).get("accept_len", "0") or 0)
-        ok = export.version is not None and (export.accept_len or 0.0) >= old
+        old = champion_accept_len(self.champion)
+        ok = should_promote(export.version, export.accept_len, self.champion)
         if ok:
             set_champion(self.cfg.export.model_name, export.version, self.cfg.tracking.tracking_uri)
         self.tracker.log_metrics({"export/promoted": float(ok), "export/champion_accept_len": old}, self.cfg.rl.steps)

@@ -1,0 +1,54 @@
+"""Scheduled retraining's two decisions: which policy to continue from, and whether to promote.
+
+The registry's `champion` alias points at a drafter version whose tags carry the policy
+checkpoint it was trained with (`policy_checkpoint`) and its held-out accept length
+(`accept_len`), both written by `Pipeline.export`.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from tlt.errors import UserError
+
+log = logging.getLogger(__name__)
+
+POLICY_FILE = "policy.safetensors"
+
+
+class RetrainError(UserError):
+    """The champion cannot be continued from as configured."""
+
+
+def champion_policy(champion: dict | None, on_missing: str) -> Path | None:
+    """The champion's policy weights file, or None to continue from the base policy.
+
+    None without a champion (the first retrain: nothing to continue from yet). When the champion
+    names no checkpoint or its file is gone, raise RetrainError unless `on_missing` is "base"
+    (`deploy.on_missing_champion_policy`), which logs a warning and returns None."""
+    if champion is None:
+        log.warning("retrain: no `champion` alias in the registry yet; starting from the base policy")
+        return None
+    ckpt = champion.get("tags", {}).get("policy_checkpoint") or ""
+    path = Path(ckpt) / POLICY_FILE if ckpt else None
+    if path is not None and path.is_file():
+        return path
+    what = f"'{path}' does not exist" if path else "its model version has no policy_checkpoint tag"
+    if on_missing == "base":
+        log.warning("retrain: the champion (version %s) policy checkpoint: %s; continuing from the base policy "
+                    "as deploy.on_missing_champion_policy=base asks", champion.get("version"), what)
+        return None
+    raise RetrainError(f"retrain: the champion drafter (version {champion.get('version')}) was trained with a policy "
+                       f"checkpoint, but {what}. Restore that checkpoint, move the `champion` alias to a version whose "
+                       "checkpoint exists, or set deploy.on_missing_champion_policy=base to continue from the base "
+                       "policy.")
+
+
+def champion_accept_len(champion: dict | None) -> float:
+    """The champion's held-out accept length (0 without a champion: anything is promoted)."""
+    return float((champion or {}).get("tags", {}).get("accept_len", "0") or 0)
+
+
+def should_promote(version: str | None, accept_len: float | None, champion: dict | None) -> bool:
+    """Promote a registered version unless its accept length dropped below the champion's."""
+    return version is not None and (accept_len or 0.0) >= champion_accept_len(champion)
