@@ -25,6 +25,14 @@ def test_unknown_section_named():
         build_config({"rolout": {}})
 
 
+@pytest.mark.parametrize("variant", ["eagle3", "eagle1"])
+def test_removed_drafter_variant_is_named_with_the_fix(tmp_path, variant):
+    old = tmp_path / "old.yaml"  # a recipe or run folder written before the key went
+    old.write_text(f"drafter:\n  variant: {variant}\n  lr: 0.001\n")
+    with pytest.raises(ConfigError, match=r"key 'drafter.variant' was removed: the drafter is always EAGLE-3.*delete"):
+        load_config(old)
+
+
 def test_wrong_type_and_range_name_the_key():
     with pytest.raises(ConfigError, match=r"'rl.steps'"):
         build_config({"rl": {"steps": "many"}})

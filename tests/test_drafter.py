@@ -117,11 +117,6 @@ def test_default_aux_ids_distinct_and_valid():
         assert len(set(ids)) == 3 and all(0 <= i <= n for i in ids), (n, ids)
 
 
-def test_eagle1_not_implemented(target):
-    with pytest.raises(NotImplementedError, match="drafter.variant"):
-        build_drafter(target, DrafterConfig(variant="eagle1"))
-
-
 def test_gather_aux_uses_hf_ids(target, drafter):
     ids = torch.randint(0, 512, (1, 5))
     out = target(ids, output_hidden_states=True)

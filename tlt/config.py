@@ -83,7 +83,6 @@ class SpecStrategy(Stage):
 
 
 class DrafterConfig(Stage):
-    variant: Literal["eagle3", "eagle1"] = Field("eagle3", description="EAGLE-3 (3 fused layers, reduced vocab) or EAGLE-1")
     draft_vocab_size: int = Field(2048, ge=0, description="Reduced draft vocabulary; 0 = the target's full vocabulary")
     aux_layer_ids: list[int] | None = Field(None, description="Target hidden_states ids (low, mid, high); default 2, N//2, N-3")
     lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate of the warm-start")
@@ -275,12 +274,18 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+# Keys that older recipes (and run folders' config.yaml) may still hold: why they went, what to do.
+_REMOVED = {"drafter.variant": "the drafter is always EAGLE-3 (EAGLE-1 was never implemented); delete the key"}
+
+
 def _explain(err: ValidationError) -> str:
     valid = _all_keys(RunConfig)
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and key in _REMOVED:
+            lines.append(f"key '{key}' was removed: {_REMOVED[key]}")
+        elif e["type"] == "extra_forbidden":
             near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
             hint = f"did you mean '{near[0]}'?" if near else "remove it (see the config reference in README)"
             lines.append(f"unknown key '{key}': {hint}")

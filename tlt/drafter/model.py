@@ -280,8 +280,6 @@ def build_drafter(target_model, cfg) -> Eagle3Drafter:
     The embedding is shared with the target; norm and lm_head start from the target's final
     norm and LM-head rows (initial draft vocab = the first Vd ids until `set_vocab` is called).
     """
-    if cfg.variant != "eagle3":
-        raise NotImplementedError(f"drafter.variant '{cfg.variant}' is not implemented; set drafter.variant: eagle3")
     config = target_model.config
     embed = target_model.get_input_embeddings().weight
     drafter = Eagle3Drafter(config, embed, cfg.draft_vocab_size, cfg.aux_layer_ids)
