@@ -6,6 +6,7 @@ them in this process (runs are spawned: the console script's `__main__` guard ma
 from __future__ import annotations
 
 from prefect import serve
+from prefect.schedules import Cron
 
 from flows.train import tlt_train
 from tlt.config import RunConfig
@@ -18,7 +19,7 @@ def deployments(cfg: RunConfig, paused_retrain: bool = False) -> list:
         description="Train with speculative rollout and an adaptive drafter. Edit the config form, then Run.")
     retrain = tlt_train.to_deployment(
         name="retrain", parameters={**params, "retrain": True}, tags=["tlt", "scheduled"],
-        cron=cfg.deploy.cron, paused=paused_retrain,
+        schedule=Cron(cfg.deploy.cron, timezone=cfg.deploy.timezone), paused=paused_retrain,
         description="Scheduled retraining: continue from the registry's champion policy and drafter on the current "
                     "data; promote the new drafter only if held-out accept length did not drop.")
     return [manual, retrain]

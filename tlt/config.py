@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tlt.errors import UserError
 
@@ -229,10 +229,21 @@ class ExportConfig(Stage):
 
 class DeployConfig(Stage):
     cron: str = Field("0 3 * * *", description="Schedule of the tlt-train/retrain deployment")
-    timezone: str = Field("UTC", description="Time zone of the cron schedule")
+    timezone: str = Field("UTC", description="IANA time zone of the cron schedule (e.g. Europe/Paris)")
     on_missing_champion_policy: Literal["error", "base"] = Field(
         "error", description="Retrain when the champion's policy checkpoint is gone: stop with an error naming the "
         "path, or continue from the base policy (model.name_or_path; logged as a warning, tag retrain.policy=base)")
+
+    @field_validator("timezone")
+    @classmethod
+    def _known_zone(cls, tz: str) -> str:
+        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+        try:
+            ZoneInfo(tz)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"'{tz}' is not an IANA time zone; use e.g. UTC or Europe/Paris") from None
+        return tz
 
 
 class RunConfig(Stage):
