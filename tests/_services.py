@@ -12,15 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tlt.services import start_mlflow, start_prefect, stop, wait_http
+from tlt.services import free_port, start_mlflow, start_prefect, stop, wait_http
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 2000) -> str:

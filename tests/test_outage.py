@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,16 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from tlt.services import free_port
 from tlt.tracking import MlflowTracker
 
 pytestmark = pytest.mark.slow
 KEYS = ("reward/mean", "policy/loss", "timing_s/step")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(tmp: Path, port: int) -> subprocess.Popen:
@@ -64,7 +58,7 @@ def server(tmp_path, monkeypatch):
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR",
                 "MLFLOW_HTTP_REQUEST_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)
-    port = _free_port()
+    port = free_port()
     procs = [_start(tmp_path, port)]
     yield port, procs, lambda: procs.append(_start(tmp_path, port))
     for p in procs:

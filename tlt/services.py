@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,13 @@ from tlt.tracking import default_tracking_uri
 
 def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it; another process may take it before use)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 90.0) -> bool:

@@ -14,7 +14,6 @@ drafter its hidden states (`on_forward`); the separate no-grad forward disappear
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Callable
 
@@ -180,12 +179,6 @@ class TorchUpdater:
         """Nothing to release; present so both backends share one interface."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _grad_norm(params) -> float:
     """L2 norm over all parameter gradients (what clip_grad_norm_ reports)."""
     norms = [p.grad.detach().norm() for p in params if p.grad is not None]
@@ -195,10 +188,12 @@ def _grad_norm(params) -> float:
 def _single_process_env() -> list[str]:
     """Set the world-size-1 rendezvous variables that are missing (else DeepSpeed looks for MPI
     and fails on mpi4py); returns the names it set, so `close()` can unset them."""
+    from tlt.services import free_port
+
     wanted = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     added = [k for k in (*wanted, "MASTER_PORT") if k not in os.environ]
     for key in added:
-        os.environ[key] = wanted.get(key) or str(_free_port())
+        os.environ[key] = wanted.get(key) or str(free_port())
     return added
 
 
