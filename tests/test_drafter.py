@@ -38,7 +38,7 @@ def test_shapes_names_and_frozen_embedding(drafter, target):
     h, logits, (k, v) = drafter(ids, hidden, pos)
     assert h.shape == (2, 7, 128) and logits.shape == (2, 7, 512)
     assert k.shape == v.shape == (2, 1, 7, 64)
-    names = set(drafter.trainable_state_dict())
+    names = set(drafter.state_dict())
     assert "embed_weight" not in names and {"fc.weight", "d2t", "t2d", "lm_head.weight",
                                             "midlayer.hidden_norm.weight", "norm.weight"} <= names
     assert drafter.embed_weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
@@ -193,13 +193,13 @@ def test_training_on_real_target(target):
     assert s["aux"].shape == (30, 3 * 128) and int(s["loss_mask"].sum()) == 24
     d, tr = _trainer(target, [s], draft_vocab_size=64)
     embed_before = d.embed_weight.clone()
-    before = {k: v.clone() for k, v in d.trainable_state_dict().items()}
+    before = {k: v.clone() for k, v in d.state_dict().items()}
     assert not any(p is d.embed_weight for g in tr.opt.param_groups for p in g["params"])
     batch = pack([s], 64)[0]
     hist = [tr.step(batch) for _ in range(30)]
     assert hist[-1]["drafter/loss"] < 0.8 * hist[0]["drafter/loss"]
     assert hist[-1]["drafter/top1_acc"] > hist[0]["drafter/top1_acc"] + 0.3
-    after = d.trainable_state_dict()
+    after = d.state_dict()
     for k in ("fc.weight", "midlayer.self_attn.q_proj.weight", "lm_head.weight", "midlayer.hidden_norm.weight"):
         assert not torch.equal(before[k], after[k]), k
     assert torch.equal(d.embed_weight, embed_before)

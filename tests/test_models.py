@@ -96,7 +96,7 @@ def test_incomplete_conversion_never_used(monkeypatch, tmp_path):
     import tlt.models as m
 
     def broken(dest):
-        dest.mkdir(parents=True)
+        dest.mkdir(parents=True, exist_ok=True)  # staged_dir hands over an empty folder
         (dest / "config.json").write_text("{}")
         raise KeyboardInterrupt
 

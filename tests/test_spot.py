@@ -41,14 +41,14 @@ def test_no_training_without_data_or_start(setup):
 
 def test_trains_until_finish_and_loads_weights(setup):
     _, drafter, spot = setup
-    before = {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
     spot.start(1)
     time.sleep(3.0)  # the "tail": the worker trains meanwhile
     m = spot.finish()
     assert m["drafter/spot_steps"] >= 1 and m["drafter/loss"] > 0
-    changed = [k for k, v in drafter.trainable_state_dict().items() if not torch.equal(v, before[k])]
+    changed = [k for k, v in drafter.state_dict().items() if not torch.equal(v, before[k])]
     assert "fc.weight" in changed and "midlayer.mlp.down_proj.weight" in changed
-    assert not any("embed" in k for k in drafter.trainable_state_dict())  # frozen embedding never moves
+    assert not any("embed" in k for k in drafter.state_dict())  # frozen embedding never moves
     assert torch.equal(drafter.embed_weight, setup[0].get_input_embeddings().weight)
 
 
@@ -56,11 +56,11 @@ def test_a_tail_shorter_than_one_step_still_trains_one(setup):
     """finish() right after start(): the stop flag is set before the worker's first step, which
     still runs, so every rollout with a tail refreshes the drafter (and stops after that step)."""
     _, drafter, spot = setup
-    before = {k: v.clone() for k, v in drafter.trainable_state_dict().items()}
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
     spot.start(1)
     m = spot.finish()
     assert m["drafter/spot_steps"] >= 1
-    assert any(not torch.equal(v, before[k]) for k, v in drafter.trainable_state_dict().items())
+    assert any(not torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
 
 
 def test_loaded_weights_lower_the_loss(setup):
@@ -90,5 +90,5 @@ def test_optimizer_state_round_trip(setup):
     _, drafter, spot = setup
     opt = spot.optimizer_state()
     assert opt["num_steps"] >= 1 and opt["optimizer"]["state"]
-    spot.load(drafter.trainable_state_dict(), opt)
+    spot.load(drafter.state_dict(), opt)
     assert spot.optimizer_state()["num_steps"] == opt["num_steps"]

@@ -43,7 +43,7 @@ def _wait_steps(spot, n: int, timeout: float = 60.0) -> None:
 
 
 def _weights(spot) -> dict:
-    return {k: v.clone() for k, v in spot.drafter.trainable_state_dict().items()}
+    return {k: v.clone() for k, v in spot.drafter.state_dict().items()}
 
 
 def _equal(a: dict, b: dict) -> bool:

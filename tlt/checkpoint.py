@@ -22,13 +22,14 @@ import os
 import random
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
+
+from tlt.atomic import fsync_dir, staged_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,6 @@ def step_dir_name(step: int) -> str:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -104,7 +97,7 @@ def _write_files(tmp: Path, step: int, tensors: dict, state: dict, blobs: dict) 
     manifest = {"step": step, "files": {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     _fsync_file(tmp / MANIFEST)
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Tensor]], state: dict,
@@ -122,19 +115,8 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(root)
     final = root / step_dir_name(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with staged_dir(final, prefix=_TMP_PREFIX) as tmp:  # re-saving a step replaces it in one rename
         _write_files(tmp, step, tensors, state, blobs or {})
-        if final.exists():  # re-saving a step: move the old one aside, then swap in
-            old = root / f"{_TMP_PREFIX}old-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if keep is not None:
         prune_checkpoints(root, keep)
     return final

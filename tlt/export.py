@@ -7,15 +7,13 @@ trainable state dict (no `model.` prefix, no biases, d2t int64, t2d bool).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tlt.atomic import staged_dir
 from tlt.drafter.model import Eagle3Drafter, rope_parameters
 from tlt.errors import UserError
 
@@ -94,35 +92,18 @@ def export_eagle3(drafter: Eagle3Drafter, target_config, out_dir: str | Path, fo
     if target_config.num_hidden_layers in drafter.aux_layer_ids:
         warnings.warn("aux id N = HF's final hidden state after the norm; vLLM reads id N before the norm")
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous()
-               for k, v in drafter.trainable_state_dict().items()}
+               for k, v in drafter.state_dict().items()}
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
     if drafter.draft_vocab_size == drafter.vocab_size:  # full vocabulary: identity maps are implied
         del tensors["d2t"], tensors["t2d"]
     config = eagle3_config(drafter, target_config, dtype)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with staged_dir(out, prefix=f".{out.name}.tmp-") as tmp:  # the old export stays until this one checks out
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         problems = check_export(tmp, target_config)
         if problems:
             raise ExportError("export failed its own checks: " + "; ".join(problems))
-        _replace_dir(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Move `new` to `out`; an existing `out` is moved aside first and removed afterwards."""
-    old = None
-    if out.exists() or out.is_symlink():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.replace(out, old)
-    os.replace(new, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
 
 
 # ---- checks ---------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import torch
@@ -26,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
                           PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
+from tlt.atomic import staged_dir
 from tlt.config import ModelConfig
 
 CHATML = (
@@ -166,14 +166,10 @@ def bundled_smollm2_dir(cache_dir: str | Path = ".cache/models") -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds `final`
         if not final.exists():
             _drop_stale_tmp(root)
-            tmp = root / f".{BUNDLED_DIRNAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             print(f"tlt: converting the bundled SmolLM2-135M-Instruct GGUF to safetensors (once, ~20 s) "
                   f"into {final} ...", file=sys.stderr, flush=True)
-            try:
+            with staged_dir(final, prefix=f".{BUNDLED_DIRNAME}.tmp-") as tmp:
                 _convert_gguf(tmp)
-                os.rename(tmp, final)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
     if not (final / "config.json").is_file() or not any(final.glob("*.safetensors")):
         raise ModelError(f"the converted model folder {final} is incomplete (no config.json or "
                          "*.safetensors); delete it and run again to convert the GGUF afresh.")

@@ -297,7 +297,7 @@ class Pipeline:
             return DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
         spot = SpotTrainer(self.model, self.drafter, d, threads=d.spot_threads, seed=self.cfg.rl.seed,
                            checkpoint_dir=self.run_dir / "drafter_checkpoints")
-        spot.load(self.drafter.trainable_state_dict(), {"optimizer": trainer.opt.state_dict(),
+        spot.load(self.drafter.state_dict(), {"optimizer": trainer.opt.state_dict(),
                                                         "num_steps": trainer.num_steps})
         return spot
 

@@ -25,6 +25,8 @@ from typing import Callable, Iterator
 import pandas as pd
 from tqdm.auto import tqdm
 
+from tlt.atomic import write_file
+
 CORPUS_SEED_OFFSET = 7919  # the corpus' generator seed = data.seed + this (never the training split's seed)
 
 
@@ -140,10 +142,7 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
     bar.close()
     corpus = Corpus(prompts, responses, temps, key, path, time.perf_counter() - t0,
                     features=feats if extra else None)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    corpus.frame().to_parquet(tmp)
-    tmp.replace(path)  # atomic: a killed build leaves no half corpus
+    write_file(path, corpus.frame().to_parquet)  # atomic: a killed build leaves no half corpus
     return corpus
 
 

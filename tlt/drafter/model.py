@@ -11,7 +11,8 @@ state dict *is* the vLLM / SGLang export (see tlt/export.py):
 
 Alignment (as vLLM's EAGLE): position t gets hidden = fuse(aux_t) and input token_{t+1};
 its logits predict token_{t+2}. Later draft steps feed the returned h and the drafted token.
-The target embedding E is shared and frozen: a non-persistent buffer, never trained or saved.
+The target embedding E is shared and frozen: a non-persistent buffer, never trained or saved, so
+`state_dict()` is exactly the trainable and exported weights (incl. the d2t / t2d maps).
 """
 from __future__ import annotations
 
@@ -268,10 +269,6 @@ class Eagle3Drafter(nn.Module):
         cos, sin = self._rope(position_ids)
         h, cache = self.midlayer(self.embed(input_ids), hidden.to(self.fc.weight.dtype), cos, sin, past, mask)
         return h, self.compute_logits(h), cache
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        """Everything but the frozen embedding (= the export weights, incl. d2t / t2d)."""
-        return {k: v for k, v in self.state_dict().items()}
 
 
 def build_drafter(target_model, cfg) -> Eagle3Drafter:

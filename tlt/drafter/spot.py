@@ -114,7 +114,7 @@ def _train_until_stop(trainer, drafter, batches, state, stop, progress, writer, 
             writer.submit(trainer)
     t1 = time.perf_counter()
     with torch.no_grad():  # selective checkpoint: trainable weights only, into shared memory
-        for k, v in drafter.trainable_state_dict().items():
+        for k, v in drafter.state_dict().items():
             state[k].copy_(v)
     if history and (not every or trainer.num_steps % every):
         writer.submit(trainer)  # the tail's last steps reach disk too (async; not waited for)
@@ -146,7 +146,7 @@ class SpotTrainer:
         head = model.get_output_embeddings()
         self._tied = head is None or head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         self._head = self._embed if self._tied else head.weight.detach().clone().share_memory_()
-        self.state = {k: v.detach().clone().share_memory_() for k, v in drafter.trainable_state_dict().items()}
+        self.state = {k: v.detach().clone().share_memory_() for k, v in drafter.state_dict().items()}
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
@@ -280,7 +280,7 @@ class SpotTrainer:
                 self.weights_step, restored = int(state["num_steps"]), f"checkpoint {path.name}"
             optim = self._optim = load_pt(pts["drafter_optim"])  # older than the weights only if a tail-end save was lost
         with torch.no_grad():
-            for k, v in self.drafter.trainable_state_dict().items():
+            for k, v in self.drafter.state_dict().items():
                 self.state[k].copy_(v)
         self.preemptions += 1
         log.warning("spot trainer process died (exit code %s) at drafter step %d; restarted from %s (step %d): "
@@ -310,7 +310,7 @@ class SpotTrainer:
     def load(self, drafter_state: dict, optim_state: dict | None) -> None:
         with torch.no_grad():
             self.drafter.load_state_dict(drafter_state, strict=True)
-            for k, v in self.drafter.trainable_state_dict().items():
+            for k, v in self.drafter.state_dict().items():
                 self.state[k].copy_(v)
         self._clear_checkpoints()  # resumed/warm-started weights start a new timeline
         self.cmd.put(("load",))

@@ -267,7 +267,7 @@ class DrafterTrainer:
 
     def state_dict(self) -> dict:
         """Selective checkpoint: trainable weights (+ vocab maps) and optimizer, no embedding."""
-        return {"drafter": {k: v.detach().clone() for k, v in self.drafter.trainable_state_dict().items()},
+        return {"drafter": {k: v.detach().clone() for k, v in self.drafter.state_dict().items()},
                 # deepcopy: Adam's moments are updated in place by later steps (async checkpoints).
                 "optimizer": copy.deepcopy(self.opt.state_dict()), "num_steps": self.num_steps}
 

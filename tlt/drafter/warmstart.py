@@ -136,7 +136,7 @@ def warmstart(model, drafter, engine, corpus: Corpus, heldout_prompts: list[list
         n_samples=len(samples), n_tokens=corpus.n_tokens,
         train_steps=step, time_s=time.perf_counter() - t0, path=str(cache))
     cache.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in drafter.trainable_state_dict().items()}, cache / "drafter.safetensors")
+    save_file({k: v.contiguous() for k, v in drafter.state_dict().items()}, cache / "drafter.safetensors")
     torch.save(trainer.opt.state_dict(), cache / "optimizer.pt")
     (cache / "summary.json").write_text(summary.model_dump_json(indent=2))  # written last: marks it complete
     return summary, trainer

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from tlt.rl.grpo import entropy_from_logits
+from tlt.rollout.sampling import token_logprobs
 
 
 @dataclass
@@ -59,16 +60,6 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
         response_mask[i, len(p):n] = True
         position_ids[i, :n] = torch.arange(n)
     return input_ids, attention_mask, response_mask, position_ids
-
-
-def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[token]: logits [B,T,V], tokens [B,T] -> [B,T] fp32.
-
-    Uses gather - logsumexp so no [B,T,V] log-softmax tensor is materialised besides the logits.
-    """
-    z = logits.float()
-    picked = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(z, dim=-1)
 
 
 def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,

@@ -32,7 +32,7 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
     if ctx.engine.tuner is not None:
         state["tuner"] = ctx.engine.tuner.state()
     if ctx.refresher is not None:
-        tensors["drafter"] = ctx.refresher.drafter.trainable_state_dict()
+        tensors["drafter"] = ctx.refresher.drafter.state_dict()
         blobs["drafter_optim"] = torch_blob(ctx.refresher.optimizer_state())
         buf_tensors, state["buffer_state"] = ctx.refresher.buffer.state_dict()
         if buf_tensors:

@@ -38,9 +38,15 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Policy log-probs at temperature 1 over the raw logits: `[..., V]`, `[...]` -> `[...]` float32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    """log softmax(logits)[token] at temperature 1: logits `[..., V]`, tokens `[...]` -> `[...]` fp32.
+
+    The one formula for a token's log-prob: the rollout's sampled-token log-probs and the RL
+    forward (`tlt.rl.logprobs`) both use it, so the two agree bit for bit on equal logits.
+    gather − logsumexp: no `[..., V]` log-softmax tensor besides the logits.
+    """
+    z = logits.float()
+    picked = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(z, dim=-1)
 
 
 def reject_siblings(probs: torch.Tensor, cand: torch.Tensor, cand_ok: torch.Tensor,

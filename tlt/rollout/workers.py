@@ -119,7 +119,7 @@ class WorkerPool:
         self._dstate = None
         if self._drafter is not None:
             self._drafter.share_memory()
-            self._dstate = dict(self._drafter.trainable_state_dict())
+            self._dstate = dict(self._drafter.state_dict())
         threads = threads or max(1, torch.get_num_threads() // n_workers)
         ctx = mp.get_context("spawn")
         self.res = ctx.Queue()
@@ -147,7 +147,7 @@ class WorkerPool:
         copied = 0
         with torch.no_grad():
             for live, shared in ((self._model.state_dict(), self._policy),
-                                 (self._drafter.trainable_state_dict() if self._drafter is not None else {},
+                                 (self._drafter.state_dict() if self._drafter is not None else {},
                                   self._dstate or {})):
                 for k, v in live.items():
                     if v.data_ptr() != shared[k].data_ptr():
