@@ -93,8 +93,8 @@ def batch_row(eng_plain, eng_spec, model, batches, pad_id, eos_ids, max_new, rep
             t_plain, t_spec = t_plain + ta, t_spec + tb
             n_tok += sum(len(r) for r in a.response_ids)
             identical &= a.response_ids == b.response_ids
-            spec_tok += b.stats["spec_tokens"]
-            spec_pass += b.stats["spec_row_passes"]
+            spec_tok += b.stats.spec_tokens
+            spec_pass += b.stats.spec_row_passes
         best["plain"], best["spec"] = min(best["plain"], t_plain), min(best["spec"], t_spec)
     hf_tokens, hf_time = 0, 0.0
     for prompts in batches:

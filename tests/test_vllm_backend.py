@@ -90,8 +90,8 @@ def test_greedy_equals_torch_engine(setup):
     assert out.finished_eos == ref.finished_eos
     for a, b in zip(out.logprobs, ref.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
-    print(f"vLLM start {engine.start_s:.1f} s, generate {out.stats['time_s']:.2f} s "
-          f"(worker {out.stats['vllm']['time_s']:.2f} s), torch engine {ref.stats['time_s']:.2f} s")
+    print(f"vLLM start {engine.start_s:.1f} s, generate {out.stats.time_s:.2f} s "
+          f"(worker {out.stats.vllm['time_s']:.2f} s), torch engine {ref.stats.time_s:.2f} s")
 
 
 def test_groups_are_group_major_and_logprobs_raw(setup):
@@ -153,12 +153,12 @@ def test_drafter_sync_accepts_and_counts(setup):
     assert engine.sync()["rollout/vllm_rebuilds"] == rebuilds + 1  # a new drafter: a new engine
     out = engine.generate(prompts, temperature=0.0, seed=0)
     assert out.response_ids == _torch_greedy(target, prompts).response_ids  # speculation is lossless
-    m, c = rollout_metrics(out), out.stats["vllm"]
+    m, c = rollout_metrics(out), out.stats.vllm
     print(f"accept length {m['spec/accept_len/mean']:.3f}, counters {c}")
     assert m["spec/accept_len/mean"] > 1.0
     assert all(0 <= a <= d for a, d in zip(out.accepted, out.drafted))
     assert (sum(out.drafted), sum(out.accepted)) == (c["draft_tokens"], c["accepted"])
-    assert out.stats["spec_row_passes"] == c["drafts"] and out.stats["accepted_pos"] == c["accepted_pos"]
+    assert out.stats.spec_row_passes == c["drafts"] and out.stats.accepted_pos == c["accepted_pos"]
     assert 0.0 < m["spec/accept_rate"] <= 1.0 and "spec/accept_rate/pos_0" in m
 
 

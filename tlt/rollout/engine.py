@@ -118,10 +118,10 @@ class RolloutEngine:
                 self._plain_step(st, opts, gen, outs)
             dt = time.perf_counter() - t_step
             if n_run <= threshold:
-                outs.stats["tail_time_s"] += dt
+                outs.stats.tail_time_s += dt
             self._retire(st, outs)
-        outs.stats["time_s"] = time.perf_counter() - t0
-        outs.stats["target_forwards"] = self.forward_calls - calls0
+        outs.stats.time_s = time.perf_counter() - t0
+        outs.stats.target_forwards = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
         for p, r in zip(batch.prompt_ids, batch.response_ids):
             self.history.add(p, r)
@@ -160,7 +160,7 @@ class RolloutEngine:
             st.add_pending(torch.cat([rep(ids[:, 1:]), tok[:, None]], 1), rep(fused), rep(pos), rep(valid))
         outs.emit(st, tok[:, None], token_logprobs(logits, tok)[:, None], torch.ones_like(tok), self.eos)
         outs.passes[st.rows] += 1
-        outs.stats["prefill_s"] += time.perf_counter() - t0
+        outs.stats.prefill_s += time.perf_counter() - t0
         return st
 
     def _plain_step(self, st: DecodeState, opts, gen, outs) -> None:
@@ -180,7 +180,7 @@ class RolloutEngine:
         st.last = tok
         outs.emit(st, tok[:, None], token_logprobs(logits, tok)[:, None], ones[:, 0].long(), self.eos)
         outs.passes[st.rows] += 1
-        outs.stats["decode_steps"] += 1
+        outs.stats.decode_steps += 1
 
     def _spec_step(self, st: DecodeState, opts, gen, outs) -> None:
         """One speculative round with the tuner's (or the configured) strategy."""
@@ -192,13 +192,13 @@ class RolloutEngine:
         if strategy.plain:  # the tuner's no-SD arm: one plain step, timed like a round
             self._plain_step(st, opts, gen, outs)
             produced = bsz
-            outs.stats["tuner_plain_steps"] += 1
+            outs.stats.tuner_plain_steps += 1
         else:
             produced = spec_round(self, st, strategy, opts, gen, outs)
         dt = time.perf_counter() - t0
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
-            outs.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
+            outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
 
     def _retire(self, st: DecodeState, outs) -> None:
         """Drop finished rows from the batch (cache rows too) and compact the cache when sparse."""
@@ -281,8 +281,8 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
         for i in range(0, len(prompts), batch_size):
             out = engine.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
                                   seed=i, spec=True)
-            tokens += out.stats["spec_tokens"]
-            passes += out.stats["spec_row_passes"]
+            tokens += out.stats.spec_tokens
+            passes += out.stats.spec_row_passes
             responses += [list(r) for r in out.response_ids]
     finally:
         engine.cfg, engine.tuner = old_cfg, old_tuner

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from tlt.errors import UserError
 from tlt.rollout.state import RolloutBatch
+from tlt.rollout.stats import RolloutStats
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -246,7 +247,7 @@ class VllmRolloutEngine:
         return self._batch(prompts, group_size, reply, time.perf_counter() - t0)
 
     def _batch(self, prompts, group_size: int, reply: dict, wall_s: float) -> RolloutBatch:
-        """Worker reply -> RolloutBatch; stats carry the keys of `Outputs.empty` that metrics read."""
+        """Worker reply -> RolloutBatch; the worker's counters become the `RolloutStats` that metrics read."""
         seqs = reply["seqs"]
         drafted, accepted, passes, spec_tokens = [], [], [], 0
         pos = [0] * self.k
@@ -260,11 +261,12 @@ class VllmRolloutEngine:
             spec_tokens += spec_tok
             pos = [a + b for a, b in zip(pos, c["accepted_pos"] + [0] * (self.k - len(c["accepted_pos"])))]
         rounds = sum((s["spec"] or {}).get("drafts", 0) for s in seqs)
-        stats = {"time_s": wall_s, "prefill_s": 0.0, "tail_time_s": reply["tail_time_s"], "decode_steps": reply["steps"],
-                 "spec_steps": reply["steps"] if rounds else 0, "tuner_plain_steps": 0, "spec_row_passes": rounds,
-                 "spec_tokens": spec_tokens, "accepted_pos": pos if rounds else [],
-                 "drafted_pos": [rounds] * self.k if rounds and self.method == "eagle3" else [], "strategy": {},
-                 "tokens": sum(len(s["ids"]) for s in seqs), "vllm": {**reply["counters"], "time_s": reply["time_s"]}}
+        stats = RolloutStats(time_s=wall_s, tail_time_s=reply["tail_time_s"], decode_steps=reply["steps"],
+                             spec_steps=reply["steps"] if rounds else 0, spec_row_passes=rounds, spec_tokens=spec_tokens,
+                             accepted_pos=pos if rounds else [],
+                             drafted_pos=[rounds] * self.k if rounds and self.method == "eagle3" else [],
+                             tokens=sum(len(s["ids"]) for s in seqs),
+                             vllm={**reply["counters"], "time_s": reply["time_s"]})
         return RolloutBatch(prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
                             response_ids=[s["ids"] for s in seqs], logprobs=[s["logprobs"] for s in seqs],
                             group_index=[i // group_size for i in range(len(seqs))],

@@ -21,9 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tlt.rollout.state import RolloutBatch
-
-_SUMMED = ("prefill_s", "decode_steps", "spec_steps", "tuner_plain_steps", "spec_row_passes", "spec_tokens",
-           "ngram_row_passes", "ngram_tokens", "target_forwards", "tokens")
+from tlt.rollout.stats import RolloutStats
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
@@ -35,15 +33,12 @@ def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
 def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idle_s: float) -> RolloutBatch:
     """Concatenate shard batches (in shard order) into one group-major batch.
 
-    Counters add up; position and strategy counters add element-wise; `time_s` is the wall-clock
-    of the whole sharded rollout, `tail_time_s` the longest tail of any worker, `worker_idle_s` the
+    Stats combine with `RolloutStats.merge` (counters add up, `tail_time_s` is the longest tail of
+    any worker); `time_s` is the wall-clock of the whole sharded rollout, `worker_idle_s` the
     worker-seconds spent waiting for the slowest shard.
     """
-    out = RolloutBatch([], [], [], [], [], [], [], [], stats={k: 0 for k in _SUMMED})
+    out = RolloutBatch([], [], [], [], [], [], [], [], stats=RolloutStats(workers=0))
     offset = 0
-    pos: dict[str, list[int]] = {"accepted_pos": [], "drafted_pos": []}
-    strategy: dict[str, dict[str, int]] = {}
-    tail = 0.0
     for b in parts:
         out.prompt_ids += b.prompt_ids
         out.response_ids += b.response_ids
@@ -54,20 +49,8 @@ def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idl
         out.accepted += b.accepted
         out.target_passes += b.target_passes
         offset += len(b.response_ids) // group_size
-        for k in _SUMMED:
-            out.stats[k] += b.stats.get(k, 0)
-        for name, acc in pos.items():
-            vals = b.stats.get(name, [])
-            acc.extend([0] * (len(vals) - len(acc)))
-            for i, v in enumerate(vals):
-                acc[i] += v
-        for bucket, arms in b.stats.get("strategy", {}).items():
-            per = strategy.setdefault(bucket, {})
-            for arm, n in arms.items():
-                per[arm] = per.get(arm, 0) + n
-        tail = max(tail, b.stats.get("tail_time_s", 0.0))
-    out.stats.update(pos, strategy=strategy, time_s=wall_s, tail_time_s=tail, worker_idle_s=idle_s,
-                     workers=len(parts))
+        out.stats = out.stats.merge(b.stats)
+    out.stats.time_s, out.stats.worker_idle_s = wall_s, idle_s
     return out
 
 
