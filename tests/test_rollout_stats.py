@@ -11,7 +11,8 @@ from tlt.rollout.stats import SUMMED, RolloutStats
 def _stats(**kw) -> RolloutStats:
     base = dict(time_s=2.0, prefill_s=0.1, tail_time_s=0.5, decode_steps=7, spec_steps=3, tuner_plain_steps=1,
                 spec_row_passes=6, spec_tokens=15, ngram_row_passes=2, ngram_tokens=4, target_forwards=11,
-                tokens=30, accepted_pos=[5, 2, 0], drafted_pos=[6, 4, 2], strategy={"0": {"1": 2, "2": 2}, "3": {"0": 1}})
+                tokens=30, accepted_pos=[5, 2, 0], drafted_pos=[6, 4, 2],
+                strategy={"0": {"1": 2, "2": 2}, "3": {"0": 1}})
     return RolloutStats(**{**base, **kw})
 
 
