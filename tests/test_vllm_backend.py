@@ -127,12 +127,13 @@ def test_tail_event_matches_torch_engine(setup):
     stop = [ref[0][5], ref[2][10]]  # tokens that end some sequences early, so the running count drops
     torch_engine = RolloutEngine(target, _rollout_cfg(spec=False), stop, pad_id=0)
     calls: dict[str, list[int]] = {"torch": [], "vllm": []}
-    torch_engine.on_tail, engine.on_tail, engine.eos_ids = calls["torch"].append, calls["vllm"].append, stop
+    engine.eos_ids = stop
     try:
-        out = engine.generate(prompts, temperature=0.0)
+        out = engine.generate(prompts, temperature=0.0, on_tail=calls["vllm"].append)
     finally:
-        engine.on_tail, engine.eos_ids = None, EOS
-    assert out.response_ids == torch_engine.generate(prompts, temperature=0.0, spec=False).response_ids
+        engine.eos_ids = EOS
+    ref_out = torch_engine.generate(prompts, temperature=0.0, spec=False, on_tail=calls["torch"].append)
+    assert out.response_ids == ref_out.response_ids
     assert calls["vllm"] == calls["torch"] and len(calls["vllm"]) == 1, calls
     assert 0 < calls["vllm"][0] <= engine.cfg.spec_threshold
 

@@ -33,9 +33,7 @@ def test_greedy_outputs_equal_one_engine_in_group_major_order(setup):
     _, _, local, pool = setup
     ref = local.generate(PROMPTS, group_size=2, spec=True)
     tails = []
-    pool.on_tail = tails.append
-    out = pool.generate(PROMPTS, group_size=2, spec=True)
-    pool.on_tail = None
+    out = pool.generate(PROMPTS, group_size=2, spec=True, on_tail=tails.append)
     assert out.response_ids == ref.response_ids
     assert out.group_index == ref.group_index == [i // 2 for i in range(12)]
     assert out.prompt_ids == ref.prompt_ids

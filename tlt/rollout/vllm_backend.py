@@ -26,6 +26,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Callable
 
 from tlt.errors import UserError
 from tlt.rollout.state import RolloutBatch
@@ -134,7 +135,7 @@ class VllmRolloutEngine:
                                                  "eagle3" if self.drafter is not None else None)
         self.k = cfg.strategy.depth
         self.tuner = None  # vLLM picks no strategy per batch size
-        self.on_tail = None  # called once per generate when <= spec_threshold sequences run (spot trainer)
+        self.history = None  # nor drafts n-grams from earlier answers
         self.rebuilds = 0
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -230,17 +231,18 @@ class VllmRolloutEngine:
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, spec_threshold: int | None = None) -> RolloutBatch:
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
         """Sample `group_size` responses per prompt, group-major (sequence i is prompt i // group_size).
 
         logprobs: log-probs of the sampled tokens under the raw logits at temperature 1 (vLLM's
         raw_logprobs), as RolloutBatch defines them. `spec` and `spec_threshold` are ignored (see the
-        class doc).
+        class doc). on_tail: called once when <= spec_threshold sequences run (spot trainer).
         """
         self.sync()
         cfg = self.cfg
         t0 = time.perf_counter()
-        reply = self._rpc("generate", prompts=[list(map(int, p)) for p in prompts], n=group_size,
+        reply = self._rpc("generate", on_tail=on_tail, prompts=[list(map(int, p)) for p in prompts], n=group_size,
                           temperature=cfg.temperature if temperature is None else temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
                           seed=seed, stop_token_ids=self.eos_ids, tail_at=cfg.spec_threshold)
@@ -274,7 +276,7 @@ class VllmRolloutEngine:
                             target_passes=passes, stats=stats)
 
     # ---- process ---------------------------------------------------------------------------
-    def _rpc(self, op: str, **request) -> dict:
+    def _rpc(self, op: str, on_tail: Callable[[int], None] | None = None, **request) -> dict:
         """One request, one reply; `tail` events in between call `on_tail`."""
         if self.proc.poll() is not None:
             raise VllmWorkerError(f"the vLLM worker exited (rc {self.proc.returncode}); {self._log_tail()}")
@@ -286,8 +288,8 @@ class VllmRolloutEngine:
                 raise VllmWorkerError(f"the vLLM worker died during '{op}' (rc {self.proc.wait()}); {self._log_tail()}")
             msg = json.loads(line)
             if msg.get("event") == "tail":
-                if self.on_tail is not None:
-                    self.on_tail(msg["running"])
+                if on_tail is not None:
+                    on_tail(msg["running"])
                 continue
             if not msg.get("ok"):
                 raise VllmWorkerError(f"vLLM worker '{op}' failed: {msg.get('error')}; {self._log_tail()}")

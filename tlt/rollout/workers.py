@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import time
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -95,7 +96,7 @@ class WorkerPool:
             raise ValueError("rollout.workers > 1 runs CPU worker processes; on GPUs use rollout.backend: vllm")
         self.cfg, self.n = cfg, n_workers
         self.tuner = None  # each worker keeps its own bandit (not part of run checkpoints)
-        self.on_tail = None
+        self.history = None  # and its own n-gram prompt history
         self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
         model.share_memory()  # in place: the trainer's updates reach the workers with no copy
         self._policy = dict(model.state_dict())
@@ -152,8 +153,10 @@ class WorkerPool:
 
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, spec_threshold: int | None = None) -> RolloutBatch:
-        """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`."""
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
+        """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`. The tail
+        (`on_tail`) starts when the first worker finishes its shard while the others decode on."""
         self.sync()
         sizes = shard_sizes(len(prompts), self.n)
         t0, start = time.perf_counter(), 0
@@ -167,8 +170,8 @@ class WorkerPool:
         while len(parts) < len(sizes):
             rank, _, (batch, _) = self._get(3600.0)
             parts[rank], finished_at[rank] = batch, time.perf_counter()
-            if len(parts) == 1 and len(sizes) > 1 and self.on_tail is not None:
-                self.on_tail(len(sizes) - 1)  # a worker is idle while the others finish their tails
+            if len(parts) == 1 and len(sizes) > 1 and on_tail is not None:
+                on_tail(len(sizes) - 1)  # a worker is idle while the others finish their tails
         wall = time.perf_counter() - t0
         idle = sum(t0 + wall - t for t in finished_at.values())
         return merge_batches([parts[i] for i in range(len(sizes))], group_size, wall, idle)
