@@ -128,7 +128,7 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
 def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
     on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
-    from tlt.drafter.corpus import vocab_coverage
+    from tlt.corpus import vocab_coverage
     from tlt.rollout.engine import measure_accept
 
     d = cfg.drafter
