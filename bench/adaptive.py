@@ -70,7 +70,7 @@ def control_refresher(pipe, corpus, need_tokens: int):
     (no captured features) is re-forwarded only as far as the control can train on it."""
     from tlt.drafter.refresh import DrafterRefresher
     from tlt.drafter.train import DrafterTrainer
-    from tlt.drafter.warmstart import corpus_samples
+    from tlt.warmstart import corpus_samples
 
     d = pipe.cfg.drafter
     drafter = share_drafter(pipe.drafter)

@@ -93,8 +93,8 @@ def batch_row(eng_plain, eng_spec, model, batches, pad_id, eos_ids, max_new, rep
             t_plain, t_spec = t_plain + ta, t_spec + tb
             n_tok += sum(len(r) for r in a.response_ids)
             identical &= a.response_ids == b.response_ids
-            spec_tok += b.stats["spec_tokens"]
-            spec_pass += b.stats["spec_row_passes"]
+            spec_tok += b.stats.spec_tokens
+            spec_pass += b.stats.spec_row_passes
         best["plain"], best["spec"] = min(best["plain"], t_plain), min(best["spec"], t_spec)
     hf_tokens, hf_time = 0, 0.0
     for prompts in batches:
@@ -128,7 +128,7 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
 def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
     on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
-    from tlt.drafter.corpus import vocab_coverage
+    from tlt.corpus import vocab_coverage
     from tlt.rollout.engine import measure_accept
 
     d = cfg.drafter

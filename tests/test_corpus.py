@@ -9,7 +9,7 @@ import torch
 
 from tlt.config import DrafterConfig, RolloutConfig, SpecStrategy, load_config
 from tlt.data import load_dataset, prompt_ids
-from tlt.drafter.corpus import build_corpus, vocab_coverage
+from tlt.corpus import build_corpus, vocab_coverage
 from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, pack
 from tlt.models import eos_token_ids, load_target
@@ -161,7 +161,7 @@ def test_engines_without_capture_build_a_corpus_without_features(setup, tmp_path
 
 def test_corpus_samples_one_per_sequence(setup, tmp_path):
     """Captured features are used as they are: one sample per corpus sequence, no re-forward added."""
-    from tlt.drafter.warmstart import corpus_samples
+    from tlt.warmstart import corpus_samples
 
     cfg, model, tok, ds, eng, enc = setup
     c = build_corpus(eng, enc, cfg, ds.train["prompt"].tolist(), ds.heldout["prompt"].tolist(), tmp_path, "fp",

@@ -136,7 +136,7 @@ def test_tuner_in_the_loop_records_strategies(model):
     tuner = StrategyTuner(buckets=[1, 2, 5, 21], epsilon=0.2, seed=0)
     eng = _engine(model, tuner=tuner)
     out = eng.generate(_prompts(6, 64, seed=8), spec=True)
-    assert out.stats["strategy"] and sum(len(r) for b in tuner.rewards for r in b) == out.stats["spec_steps"]
+    assert out.stats.strategy and sum(len(r) for b in tuner.rewards for r in b) == out.stats.spec_steps
 
 
 def test_metrics_of_a_speculative_rollout(model):
@@ -148,13 +148,13 @@ def test_metrics_of_a_speculative_rollout(model):
     assert m["rollout/response_length/max"] <= 20 and m["rollout/tokens_per_s"] > 0
     assert 0 <= m["rollout/tail_share"] <= 1 and 0 < m["spec/enabled_share"] <= 1
     s = out.stats
-    assert s["spec_steps"] > 0 and "spec/accept_rate/pos_0" in m
+    assert s.spec_steps > 0 and "spec/accept_rate/pos_0" in m
     # every row emitted its prefill token, then only SD rounds: tokens - rows came from SD
-    assert s["spec_tokens"] == sum(map(len, out.response_ids)) - len(out.response_ids)
-    assert m["spec/accept_len/mean"] == pytest.approx(s["spec_tokens"] / s["spec_row_passes"])
+    assert s.spec_tokens == sum(map(len, out.response_ids)) - len(out.response_ids)
+    assert m["spec/accept_len/mean"] == pytest.approx(s.spec_tokens / s.spec_row_passes)
     assert 1.0 <= m["spec/accept_len/mean"] <= CHAIN.depth + 1
     # truncation at EOS / max_new can only drop accepted tokens: passes + accepted >= tokens
-    assert s["spec_tokens"] <= s["spec_row_passes"] + sum(out.accepted)
+    assert s.spec_tokens <= s.spec_row_passes + sum(out.accepted)
     assert m["spec/accept_rate"] == pytest.approx(sum(out.accepted) / sum(out.drafted))
 
 
@@ -166,9 +166,9 @@ def test_plain_arm_of_the_tuner_is_lossless_and_tried(model):
     tuner = StrategyTuner(arms=[[PLAIN, CHAIN]] * 4, buckets=[1, 2, 5, 21], epsilon=0.5, seed=0)
     out = _engine(model, tuner=tuner).generate(prompts, spec=True)
     assert out.response_ids == ref
-    assert out.stats["tuner_plain_steps"] > 0 and out.stats["spec_steps"] > 0
+    assert out.stats.tuner_plain_steps > 0 and out.stats.spec_steps > 0
     played = sum(len(b[0]) for b in tuner.rewards)  # arm 0 = PLAIN in every bucket
-    assert played == out.stats["tuner_plain_steps"]
+    assert played == out.stats.tuner_plain_steps
     assert PLAIN.plain and not CHAIN.plain
 
 
@@ -179,8 +179,8 @@ def test_spec_patience_delays_the_switch(model, patience):
     ref = _engine(model).generate(prompts, spec=False).response_ids
     out = _engine(model, strategy=CHAIN, spec_patience=patience, eos=()).generate(prompts, spec=True)
     assert out.response_ids == ref
-    assert out.stats["decode_steps"] == min(patience, 19)  # 20 tokens: 1 from the prefill, then 19 steps
-    assert (out.stats["spec_steps"] > 0) == (patience < 19)
+    assert out.stats.decode_steps == min(patience, 19)  # 20 tokens: 1 from the prefill, then 19 steps
+    assert (out.stats.spec_steps > 0) == (patience < 19)
 
 
 def test_plain_strategy_needs_both_zero():
@@ -248,7 +248,7 @@ def test_sampled_chain_with_drafter_q_is_exact(temperature):
         ex, em = _project(exact, f), _project(emp, f)
         tv = 0.5 * sum(abs(em.get(k, 0) - p) for k, p in ex.items())
         assert tv < _tv_bound(ex, n), (tv, _tv_bound(ex, n))
-    acc_pos = out.stats["accepted_pos"]
+    acc_pos = out.stats.accepted_pos
     assert len(acc_pos) == 3 and acc_pos[2] > 0  # some rounds accepted all three drafts
     assert 0 < sum(out.accepted) < sum(out.drafted)
 

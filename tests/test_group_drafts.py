@@ -113,7 +113,7 @@ def test_group_references_reach_the_lookup(model):
     assert st.rows.tolist() == [0]
     produced = spec_round(eng, st, NGRAM4, opts, gen, outs)
     assert produced == 5 and outs.tok[0, :5].tolist() == full[:5]
-    assert outs.stats["ngram_tokens"] == 5
+    assert outs.stats.ngram_tokens == 5
 
 
 class _Alternate:
@@ -153,7 +153,7 @@ def test_mixed_rounds_keep_the_drafter_fed_and_are_lossless(model):
         spec_round(eng, st, [EAGLE3, NGRAM4][k % 2], opts, gen, outs)
         fed = (st.dvalid.sum(1) if st.dvalid is not None else 0) + st.pending[3].sum(1)
         assert fed.tolist() == st.pos.tolist()
-    assert outs.stats["ngram_row_passes"] > 0
+    assert outs.stats.ngram_row_passes > 0
 
 
 def test_sampled_group_rollout_with_the_default_bandit(model):
@@ -167,7 +167,7 @@ def test_sampled_group_rollout_with_the_default_bandit(model):
     out = eng.generate(_prompts(2, 64, seed=17), group_size=4, seed=1)
     assert len(out.response_ids) == 8 and all(1 <= len(x) <= 24 for x in out.response_ids)
     s = out.stats
-    assert 0 < s["ngram_row_passes"] <= s["spec_row_passes"] and s["ngram_tokens"] <= s["spec_tokens"]
+    assert 0 < s.ngram_row_passes <= s.spec_row_passes and s.ngram_tokens <= s.spec_tokens
     tried = {a.name for b, arms in enumerate(tuner.arms) for a, w in zip(arms, tuner.rewards[b]) if w}
     assert any(n.startswith("ngram-") for n in tried)
 

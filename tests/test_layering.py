@@ -37,3 +37,24 @@ def test_no_init_in_mlflow_dir():
 def test_modules_stay_small():
     big = [(p, n) for p in (ROOT / "tlt").rglob("*.py") if (n := len(p.read_text().splitlines())) > 450]
     assert not big, f"split these by concern: {big}"
+
+
+def _tlt_imports(path: Path) -> set[str]:
+    """Full names of the tlt modules `path` imports, function-level (lazy) imports included."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("tlt.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("tlt."):
+            names.add(node.module)
+    return names
+
+
+def test_drafter_does_not_reach_up_into_rollout():
+    """rollout -> drafter (the engine runs a drafter, workers build one) points one way: the drafter
+    package (model, training, buffer, refresh, spot trainer) never uses the rollout engine; the
+    warm-start, which needs both, lives above them (tlt/warmstart.py, tlt/corpus.py)."""
+    up = ("tlt.rollout", "tlt.warmstart", "tlt.corpus", "tlt.pipeline", "tlt.rl")
+    bad = {p.name: sorted(m for m in _tlt_imports(p) if m.startswith(up)) for p in (ROOT / "tlt/drafter").rglob("*.py")}
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"tlt/drafter must not import these: {bad}"

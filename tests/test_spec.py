@@ -78,7 +78,7 @@ def test_greedy_identical_ngram(models, arch, strategy):
         assert sd.finished_eos == [f for f in plain.finished_eos for _ in range(group)]
         assert all(a <= d for a, d in zip(sd.accepted, sd.drafted))
         accepted += sum(sd.accepted)
-    assert sd.stats["decode_steps"] > 0 and sd.stats["spec_steps"] > 0  # the tail switch happened
+    assert sd.stats.decode_steps > 0 and sd.stats.spec_steps > 0  # the tail switch happened
     assert accepted > 0  # the n-gram drafter does get tokens accepted on these models
 
 
@@ -97,7 +97,7 @@ def test_greedy_identical_eagle(models, trained_drafter, strategy, min_prob):
         assert sd.response_ids == plain.response_ids
         assert all(a <= d for a, d in zip(sd.accepted, sd.drafted))
         accepted += sum(sd.accepted)
-    assert sd.stats["decode_steps"] > 0 and sd.stats["spec_steps"] > 0
+    assert sd.stats.decode_steps > 0 and sd.stats.spec_steps > 0
     assert accepted > 0
 
 

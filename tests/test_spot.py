@@ -39,6 +39,15 @@ def test_no_training_without_data_or_start(setup):
     assert spot.finish()["drafter/spot_steps"] == 0.0  # never started: nothing to stop
 
 
+def test_spot_trainer_is_a_refresher_whose_tail_hook_starts_it(setup):
+    from tlt.rl.step import Refresher
+
+    _, _, spot = setup
+    assert isinstance(spot, Refresher)
+    assert spot.before_rollout() == spot.start  # the rollout's on_tail; sync_policy ran
+    assert spot.after_rollout()["drafter/spot_steps"] == 0.0  # the hook was never called
+
+
 def test_trains_until_finish_and_loads_weights(setup):
     _, drafter, spot = setup
     before = {k: v.clone() for k, v in drafter.state_dict().items()}

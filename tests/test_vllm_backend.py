@@ -90,8 +90,8 @@ def test_greedy_equals_torch_engine(setup):
     assert out.finished_eos == ref.finished_eos
     for a, b in zip(out.logprobs, ref.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
-    print(f"vLLM start {engine.start_s:.1f} s, generate {out.stats['time_s']:.2f} s "
-          f"(worker {out.stats['vllm']['time_s']:.2f} s), torch engine {ref.stats['time_s']:.2f} s")
+    print(f"vLLM start {engine.start_s:.1f} s, generate {out.stats.time_s:.2f} s "
+          f"(worker {out.stats.vllm['time_s']:.2f} s), torch engine {ref.stats.time_s:.2f} s")
 
 
 def test_groups_are_group_major_and_logprobs_raw(setup):
@@ -127,12 +127,13 @@ def test_tail_event_matches_torch_engine(setup):
     stop = [ref[0][5], ref[2][10]]  # tokens that end some sequences early, so the running count drops
     torch_engine = RolloutEngine(target, _rollout_cfg(spec=False), stop, pad_id=0)
     calls: dict[str, list[int]] = {"torch": [], "vllm": []}
-    torch_engine.on_tail, engine.on_tail, engine.eos_ids = calls["torch"].append, calls["vllm"].append, stop
+    engine.eos_ids = stop
     try:
-        out = engine.generate(prompts, temperature=0.0)
+        out = engine.generate(prompts, temperature=0.0, on_tail=calls["vllm"].append)
     finally:
-        engine.on_tail, engine.eos_ids = None, EOS
-    assert out.response_ids == torch_engine.generate(prompts, temperature=0.0, spec=False).response_ids
+        engine.eos_ids = EOS
+    ref_out = torch_engine.generate(prompts, temperature=0.0, spec=False, on_tail=calls["torch"].append)
+    assert out.response_ids == ref_out.response_ids
     assert calls["vllm"] == calls["torch"] and len(calls["vllm"]) == 1, calls
     assert 0 < calls["vllm"][0] <= engine.cfg.spec_threshold
 
@@ -153,12 +154,12 @@ def test_drafter_sync_accepts_and_counts(setup):
     assert engine.sync()["rollout/vllm_rebuilds"] == rebuilds + 1  # a new drafter: a new engine
     out = engine.generate(prompts, temperature=0.0, seed=0)
     assert out.response_ids == _torch_greedy(target, prompts).response_ids  # speculation is lossless
-    m, c = rollout_metrics(out), out.stats["vllm"]
+    m, c = rollout_metrics(out), out.stats.vllm
     print(f"accept length {m['spec/accept_len/mean']:.3f}, counters {c}")
     assert m["spec/accept_len/mean"] > 1.0
     assert all(0 <= a <= d for a, d in zip(out.accepted, out.drafted))
     assert (sum(out.drafted), sum(out.accepted)) == (c["draft_tokens"], c["accepted"])
-    assert out.stats["spec_row_passes"] == c["drafts"] and out.stats["accepted_pos"] == c["accepted_pos"]
+    assert out.stats.spec_row_passes == c["drafts"] and out.stats.accepted_pos == c["accepted_pos"]
     assert 0.0 < m["spec/accept_rate"] <= 1.0 and "spec/accept_rate/pos_0" in m
 
 

@@ -33,17 +33,15 @@ def test_greedy_outputs_equal_one_engine_in_group_major_order(setup):
     _, _, local, pool = setup
     ref = local.generate(PROMPTS, group_size=2, spec=True)
     tails = []
-    pool.on_tail = tails.append
-    out = pool.generate(PROMPTS, group_size=2, spec=True)
-    pool.on_tail = None
+    out = pool.generate(PROMPTS, group_size=2, spec=True, on_tail=tails.append)
     assert out.response_ids == ref.response_ids
     assert out.group_index == ref.group_index == [i // 2 for i in range(12)]
     assert out.prompt_ids == ref.prompt_ids
     assert tails == [1]  # the first worker to finish freed its cores while the other decoded on
     m = rollout_metrics(out)
-    assert m["rollout/worker_idle_s"] >= 0 and out.stats["workers"] == 2
-    assert out.stats["spec_steps"] > 0 and sum(out.accepted) <= sum(out.drafted)
-    assert out.stats["tokens"] == sum(map(len, out.response_ids))
+    assert m["rollout/worker_idle_s"] >= 0 and out.stats.workers == 2
+    assert out.stats.spec_steps > 0 and sum(out.accepted) <= sum(out.drafted)
+    assert out.stats.tokens == sum(map(len, out.response_ids))
 
 
 def test_policy_updates_reach_workers_without_copy_or_disk(setup):
@@ -86,17 +84,19 @@ def test_drafter_updates_reach_workers(setup):
 
 def test_merge_of_empty_stats_and_offsets():
     from tlt.rollout.state import RolloutBatch
+    from tlt.rollout.stats import RolloutStats
 
     def part(n_prompts, g):
         n = n_prompts * g
+        stats = RolloutStats(tokens=n, accepted_pos=[1, 2], drafted_pos=[3, 4], strategy={"0": {"1": 2}},
+                             tail_time_s=0.1 * n_prompts)
         return RolloutBatch([[1]] * n, [[5]] * n, [[0.0]] * n, [i // g for i in range(n)], [True] * n, [0] * n,
-                            [0] * n, [1] * n, stats={"tokens": n, "accepted_pos": [1, 2], "drafted_pos": [3, 4],
-                                                     "strategy": {"0": {"1": 2}}, "tail_time_s": 0.1 * n_prompts})
+                            [0] * n, [1] * n, stats=stats)
     m = merge_batches([part(2, 3), part(1, 3)], 3, wall_s=1.0, idle_s=0.2)
     assert m.group_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    assert m.stats["accepted_pos"] == [2, 4] and m.stats["drafted_pos"] == [6, 8]
-    assert m.stats["strategy"] == {"0": {"1": 4}} and m.stats["tokens"] == 9
-    assert m.stats["time_s"] == 1.0 and m.stats["tail_time_s"] == pytest.approx(0.2)
+    assert m.stats.accepted_pos == [2, 4] and m.stats.drafted_pos == [6, 8]
+    assert m.stats.strategy == {"0": {"1": 4}} and m.stats.tokens == 9
+    assert m.stats.time_s == 1.0 and m.stats.tail_time_s == pytest.approx(0.2)
 
 
 def test_workers_exit_on_close():

@@ -1,11 +1,16 @@
 """Rollout and speculative-decoding metrics as pure functions: records -> dict[str, float].
 
 Names follow DESIGN.md (`rollout/...`, `spec/...`). Input: a `tlt.rollout.state.RolloutBatch`
-(any object with the same fields works; nothing here runs a model).
+(any object with the same fields works; nothing here runs a model) whose `stats` is a
+`tlt.rollout.stats.RolloutStats`; the ratios are its derived properties.
 """
 from __future__ import annotations
 
 import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tlt.rollout.stats import RolloutStats
 
 
 def _percentile(values: list[int], q: float) -> float:
@@ -24,25 +29,22 @@ def length_metrics(lengths: list[int]) -> dict[str, float]:
             "rollout/response_length/max": float(max(lengths))}
 
 
-def spec_metrics(drafted: list[int], accepted: list[int], stats: dict) -> dict[str, float]:
+def spec_metrics(drafted: list[int], accepted: list[int], stats: RolloutStats) -> dict[str, float]:
     """Acceptance metrics of the speculative rounds (empty when SD never ran)."""
-    passes = stats.get("spec_row_passes", 0)
-    tokens = stats.get("tokens", 0)
-    out = {"spec/enabled_share": stats.get("spec_tokens", 0) / tokens if tokens else 0.0}
-    if not passes:
+    out = {"spec/enabled_share": stats.enabled_share}
+    if stats.accept_len is None:
         return out
-    out["spec/accept_len/mean"] = stats["spec_tokens"] / passes
+    out["spec/accept_len/mean"] = stats.accept_len
     out["spec/accept_rate"] = sum(accepted) / max(1, sum(drafted))
     # Rounds drafted by the model-free n-gram lookup (the group's own rollouts), where the tuner chose it.
-    out["spec/ngram_share"] = stats.get("ngram_tokens", 0) / max(1, stats["spec_tokens"])
-    if stats.get("ngram_row_passes", 0):
-        out["spec/ngram_accept_len"] = stats["ngram_tokens"] / stats["ngram_row_passes"]
-    for i, (a, d) in enumerate(zip(stats.get("accepted_pos", []), stats.get("drafted_pos", []))):
-        if d:
-            out[f"spec/accept_rate/pos_{i}"] = a / d
-    for bucket, counts in stats.get("strategy", {}).items():
+    out["spec/ngram_share"] = stats.ngram_share
+    if stats.ngram_accept_len is not None:
+        out["spec/ngram_accept_len"] = stats.ngram_accept_len
+    for i, rate in stats.accept_rate_by_pos.items():
+        out[f"spec/accept_rate/pos_{i}"] = rate
+    for bucket, arm in stats.top_strategy.items():
         # The arm played most often in this bucket (its index in the tuner's arm list).
-        out[f"spec/strategy/{bucket}"] = float(max(counts, key=lambda k: (counts[k], -int(k))))
+        out[f"spec/strategy/{bucket}"] = float(arm)
     return out
 
 
@@ -55,17 +57,17 @@ def rollout_metrics(batch) -> dict[str, float]:
     tokens emitted by SD rounds; spec/ngram_share: share of the SD tokens from n-gram rounds,
     spec/ngram_accept_len their tokens per pass; rollout/tail_share: share of time with <= spec_threshold rows.
     """
-    stats = batch.stats
+    stats: RolloutStats = batch.stats
     lengths = [len(r) for r in batch.response_ids]
-    time_s = float(stats.get("time_s", 0.0))
+    time_s = float(stats.time_s)
     out = {"rollout/time_s": time_s,
            "rollout/tokens_per_s": sum(lengths) / time_s if time_s > 0 else 0.0,
-           "rollout/tail_share": stats.get("tail_time_s", 0.0) / time_s if time_s > 0 else 0.0}
-    if stats.get("target_forwards"):  # batched target forwards (prefill, decode steps, verifies) of the rollout
-        out["rollout/target_forwards"] = float(stats["target_forwards"])
-        out["rollout/tokens_per_target_forward"] = sum(lengths) / stats["target_forwards"]
-    if "worker_idle_s" in stats:  # sharded rollout (tlt.rollout.workers): worker-seconds spent waiting
-        out["rollout/worker_idle_s"] = float(stats["worker_idle_s"])
+           "rollout/tail_share": stats.tail_share}
+    if stats.target_forwards:  # batched target forwards (prefill, decode steps, verifies) of the rollout
+        out["rollout/target_forwards"] = float(stats.target_forwards)
+        out["rollout/tokens_per_target_forward"] = sum(lengths) / stats.target_forwards
+    if stats.worker_idle_s is not None:  # sharded rollout (tlt.rollout.workers): worker-seconds spent waiting
+        out["rollout/worker_idle_s"] = float(stats.worker_idle_s)
     out.update(length_metrics(lengths))
     out.update(spec_metrics(batch.drafted, batch.accepted, stats))
     return out

@@ -224,15 +224,15 @@ class Pipeline:
     def heldout_accept_len(self, temperature: float = 0.0) -> float:
         """Accept length on the first `drafter.warmstart_eval_prompts` held-out prompts: tuner off,
         the fixed `drafter.eval_strategy`, `drafter.eval_max_new_tokens` each (warmstart.accept_report)."""
-        from tlt.drafter.warmstart import accept_report
+        from tlt.warmstart import accept_report
 
         prompts = self.prompt_ids(self.dataset.heldout["prompt"][: self.cfg.drafter.warmstart_eval_prompts])
         return accept_report(self.engine, prompts, self.cfg, temperature).accept_len
 
     def build_corpus(self):
-        """The drafter's self-distilled warm-start corpus (tlt.drafter.corpus), logged as a dataset input."""
-        from tlt.drafter.corpus import build_corpus
-        from tlt.drafter.warmstart import fingerprint
+        """The drafter's self-distilled warm-start corpus (tlt.corpus), logged as a dataset input."""
+        from tlt.corpus import build_corpus
+        from tlt.warmstart import fingerprint
 
         ds = self.dataset
         corpus = build_corpus(self.engine, self.prompt_ids, self.cfg, ds.train["prompt"].tolist(),
@@ -254,7 +254,7 @@ class Pipeline:
     def warmstart(self, corpus=None) -> WarmstartSummary:
         """Warm-start on `corpus` (default: `build_corpus()`; a caller that also needs the corpus'
         captured features, e.g. bench/adaptive.py, builds it once and passes it)."""
-        from tlt.drafter.warmstart import warmstart
+        from tlt.warmstart import warmstart
 
         ds, d = self.dataset, self.cfg.drafter
         if self.champion is not None:  # retrain: start from the champion drafter, no warm-start

@@ -18,8 +18,7 @@ class RunRecord:
     def add_step(self, step: int, metrics: dict, batch) -> None:
         self.history.append({"step": step, **metrics})
         self.lengths += [len(r) for r in batch.response_ids]
-        for name, acc in (("accepted_pos", self.accepted_pos), ("drafted_pos", self.drafted_pos)):
-            new = list(batch.stats.get(name, []))
+        for new, acc in ((batch.stats.accepted_pos, self.accepted_pos), (batch.stats.drafted_pos, self.drafted_pos)):
             acc.extend([0.0] * (len(new) - len(acc)))
             for i, v in enumerate(new):
                 acc[i] += float(v)

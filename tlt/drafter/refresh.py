@@ -33,11 +33,12 @@ class DrafterRefresher:
         """Rows of the old-log-prob forward [B,T,...] (right padded) -> buffer samples."""
         self.buffer.add_rows(step, ids, attn, resp, aux, last_hidden)
 
-    # ---- hooks called by the RL step (same interface as SpotTrainer) -------------------------
-    def before_rollout(self, engine) -> None:
-        pass
+    # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
+    def before_rollout(self) -> None:
+        """No tail hook: this refresher trains after the policy update, not during the rollout."""
+        return None
 
-    def after_rollout(self, engine) -> dict[str, float]:
+    def after_rollout(self) -> dict[str, float]:
         return {}
 
     def after_update(self, step: int, accept_len: float | None) -> dict[str, float]:

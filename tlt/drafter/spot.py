@@ -2,7 +2,7 @@
 
 A persistent worker process owns a copy of the drafter and its optimizer, with its own thread
 budget. When the rollout enters its long tail (few sequences left, the hardware mostly idle),
-the engine's `on_tail` hook starts it; it trains on the online buffer until the rollout ends
+the rollout's `on_tail` hook starts it; it trains on the online buffer until the rollout ends
 and then stops within one drafter step (a tail that ends before the first step still gets that
 one step, so a rollout with a tail always refreshes the drafter). Only the trainable weights
 come back (selective checkpoint through shared memory; the frozen embedding never moves), and
@@ -29,6 +29,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -151,6 +152,7 @@ class SpotTrainer:
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
         self.total_steps, self._running, self._t_tail = 0, False, 0.0
+        self.last_accept: float | None = None  # no accept-length trigger: every tail trains (kept in checkpoints)
         self.weights_step = 0  # drafter optimizer steps behind self.drafter's weights
         self._optim: dict | None = None  # the optimizer state last loaded into the worker
         self.preemptions = self.corrupt_checkpoints = 0
@@ -188,13 +190,13 @@ class SpotTrainer:
             if not self._tied:
                 self._head.copy_(self._model.get_output_embeddings().weight)
 
-    # ---- hooks called by the RL step (same interface as DrafterRefresher) --------------------
-    def before_rollout(self, engine) -> None:
+    # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
+    def before_rollout(self) -> Callable[[int], None]:
+        """Refresh the shared target weights; the returned hook (the rollout's `on_tail`) starts training."""
         self.sync_policy()
-        engine.on_tail = self.start
+        return self.start
 
-    def after_rollout(self, engine) -> dict[str, float]:
-        engine.on_tail = None
+    def after_rollout(self) -> dict[str, float]:
         return self.finish()
 
     def after_update(self, step: int, accept_len: float | None) -> dict[str, float]:

@@ -40,7 +40,7 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
         tensors["refresher"] = {"rng": ctx.refresher.rng.get_state()}
         state["buffer"] = ctx.refresher.buffer.metadata()
         state["drafter_total_steps"] = ctx.refresher.total_steps
-        state["last_accept"] = getattr(ctx.refresher, "last_accept", None)
+        state["last_accept"] = ctx.refresher.last_accept
     path = save_checkpoint(root, step, tensors, state, blobs, keep=keep)
     fault("checkpointed", step)
     return path
@@ -68,8 +68,7 @@ def restore_run_state(ctx, root: Path) -> dict | None:
             ctx.refresher.buffer.load_state_dict(tensors.get("buffer", {}), state["buffer_state"])
         if "refresher" in tensors:
             ctx.refresher.rng.set_state(tensors["refresher"]["rng"])
-        if hasattr(ctx.refresher, "last_accept"):
-            ctx.refresher.last_accept = state.get("last_accept")
+        ctx.refresher.last_accept = state.get("last_accept")
     restore_rng(state["rng"])
     return state
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -19,6 +19,61 @@ from torch import Tensor
 from tlt.faults import fault
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
+
+if TYPE_CHECKING:
+    from tlt.drafter.buffer import DraftBuffer
+    from tlt.rollout.state import RolloutBatch
+
+TailHook = Callable[[int], None]  # called with the number of running sequences when the rollout's tail starts
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What an RL step and a checkpoint need of a rollout engine: tlt.rollout.engine.RolloutEngine
+    (this process), tlt.rollout.workers.WorkerPool (CPU worker processes), or
+    tlt.rollout.vllm_backend.VllmRolloutEngine (a vLLM worker process)."""
+
+    cfg: Any  # RolloutConfig
+    tuner: Any  # tlt.rollout.tuner.StrategyTuner | None (None: no per-batch-size bandit in this process)
+    history: Any  # tlt.rollout.ngram.PromptHistory | None (None: no n-gram drafts from earlier answers)
+
+    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: TailHook | None = None) -> RolloutBatch: ...
+
+    def sync(self, model=None) -> dict[str, float]:
+        """Make the engine decode with `model`'s current weights (a no-op in this process)."""
+
+
+@runtime_checkable
+class Refresher(Protocol):
+    """The adaptive drafter as the RL step drives it: tlt.drafter.refresh.DrafterRefresher
+    (sequential refresh after the update) or tlt.drafter.spot.SpotTrainer (in the rollout's tail)."""
+
+    drafter: Any  # tlt.drafter.model.Eagle3Drafter
+    buffer: DraftBuffer
+    rng: torch.Generator
+    total_steps: int  # drafter optimizer steps so far
+    last_accept: float | None  # the last rollout's accept length (below-threshold trigger)
+
+    @property
+    def aux_layer_ids(self) -> list[int]: ...
+
+    def add_rollouts(self, step: int, ids, attn, resp, aux, last_hidden) -> None: ...
+
+    def before_rollout(self) -> TailHook | None:
+        """Before the rollout; returns the `on_tail` hook for `Engine.generate` (None: none)."""
+
+    def after_rollout(self) -> dict[str, float]: ...
+
+    def after_update(self, step: int, accept_len: float | None) -> dict[str, float]: ...
+
+    def optimizer_state(self) -> dict: ...
+
+    def load(self, drafter_state: dict, optim_state: dict | None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Timer:
@@ -46,12 +101,12 @@ class StepContext:
     cfg: Any  # RunConfig
     model: Any
     tokenizer: Any
-    engine: Any  # tlt.rollout.engine.RolloutEngine
+    engine: Engine
     updater: Any  # tlt.rl.update.TorchUpdater | DeepSpeedUpdater
     sampler: Any  # tlt.rl.sampler.PromptSampler
     reward_fn: Callable
     encode: Callable[[list[str]], list[list[int]]]
-    refresher: Any = None  # DrafterRefresher or SpotTrainer (tlt.drafter), None = no drafter training
+    refresher: Refresher | None = None  # None = no drafter training
     samples: list[dict] = field(default_factory=list)
     last_batch: Any = None  # the last RolloutBatch, for run-level plots
 
@@ -70,14 +125,15 @@ def reward_metrics(rewards: list[float], tasks: list[str], group_ids: list[int])
 def _rollout(ctx: StepContext, step: int, timer: Timer):
     cfg = ctx.cfg
     rows = ctx.sampler.next(cfg.rollout.prompts_per_step)
+    on_tail = None
     if ctx.refresher:
         with timer("sync"):
-            ctx.refresher.before_rollout(ctx.engine)
+            on_tail = ctx.refresher.before_rollout()
     with timer("rollout"):
         fault("rollout", step)
         batch = ctx.engine.generate(ctx.encode(list(rows["prompt"])), group_size=cfg.rollout.group_size,
                                     temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                    seed=cfg.rl.seed * 100_003 + step, spec=cfg.rollout.spec)
+                                    seed=cfg.rl.seed * 100_003 + step, spec=cfg.rollout.spec, on_tail=on_tail)
     return rows, batch
 
 
@@ -152,7 +208,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     metrics: dict[str, float] = rollout_metrics(batch)
     if ctx.refresher:  # spot trainer: stops within one drafter step, new weights loaded
         with timer("update_drafter"):
-            metrics.update(ctx.refresher.after_rollout(ctx.engine))
+            metrics.update(ctx.refresher.after_rollout())
     texts, rewards, tasks = _rewards(ctx, rows, batch, timer)
     group_ids = torch.tensor(batch.group_index)
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
@@ -162,9 +218,8 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     if ctx.refresher:  # sequential refresh (when not spot-trained)
         with timer("update_drafter"):
             metrics.update(ctx.refresher.after_update(step, metrics.get("spec/accept_len/mean")))
-    if hasattr(ctx.engine, "sync"):  # an engine outside this process (vLLM): send the new weights
-        with timer("sync"):
-            metrics.update(ctx.engine.sync(ctx.model))
+    with timer("sync"):  # an engine outside this process (vLLM, workers) gets the new weights
+        metrics.update(ctx.engine.sync(ctx.model))
     metrics.update(reward_metrics(rewards, tasks, batch.group_index))
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - t0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,9 +46,6 @@ class RolloutEngine:
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.forward_calls = 0  # target forwards, for tests (prefill once per group)
-        # Called once per generate() when the rollout enters its tail (<= spec_threshold running):
-        # the spot trainer starts drafter training there (TLT mechanism 2).
-        self.on_tail = None
 
     # ---- target forward ------------------------------------------------------------------
     def forward(self, ids, pos, mask, cache, keep_last: bool = False, hidden: bool = False, capture=None):
@@ -71,7 +69,7 @@ class RolloutEngine:
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
                  spec: bool | None = None, capture: list[int] | None = None,
-                 spec_threshold: int | None = None) -> RolloutBatch:
+                 spec_threshold: int | None = None, on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
         """Sample `group_size` responses per prompt.
 
         capture: target hidden-state ids (HF `hidden_states` indices, e.g. a drafter's aux ids):
@@ -79,7 +77,8 @@ class RolloutEngine:
         prompt + response, recorded by the decode forwards themselves (no second forward; the
         last response token, never fed, gets zeros). Plain decoding only (spec must be off).
         spec_threshold: this call's tail threshold instead of `cfg.spec_threshold` (e.g. the batch
-        size: speculate on every step).
+        size: speculate on every step). on_tail: called once, with the number of running rows, when
+        the rollout enters its tail (the spot trainer starts drafter training there, TLT mechanism 2).
 
         Returns a `RolloutBatch` with len(prompts) * group_size sequences, group-major
         (sequence i belongs to prompt i // group_size). `logprobs` are the policy log-probs of
@@ -103,25 +102,9 @@ class RolloutEngine:
             outs.capture = Capture(list(capture))
         st = self._prefill(prompts, group_size, opts, gen, outs, keep_aux=use_spec and self.drafter is not None)
         self._retire(st, outs)
-        in_tail, below = False, 0
-        while st.size > 0:
-            n_run = st.size
-            below = below + 1 if n_run <= threshold else 0
-            if not in_tail and n_run <= threshold:
-                in_tail = True
-                if self.on_tail is not None:
-                    self.on_tail(n_run)
-            t_step = time.perf_counter()
-            if use_spec and below > cfg.spec_patience:
-                self._spec_step(st, opts, gen, outs)
-            else:
-                self._plain_step(st, opts, gen, outs)
-            dt = time.perf_counter() - t_step
-            if n_run <= threshold:
-                outs.stats["tail_time_s"] += dt
-            self._retire(st, outs)
-        outs.stats["time_s"] = time.perf_counter() - t0
-        outs.stats["target_forwards"] = self.forward_calls - calls0
+        self._decode(st, opts, gen, outs, use_spec, threshold, on_tail)
+        outs.stats.time_s = time.perf_counter() - t0
+        outs.stats.target_forwards = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
         for p, r in zip(batch.prompt_ids, batch.response_ids):
             self.history.add(p, r)
@@ -129,7 +112,31 @@ class RolloutEngine:
             batch.features = outs.capture.sequences(prompts, group_size, batch.response_ids)
         return batch
 
+    def sync(self, model=None) -> dict[str, float]:
+        """Nothing to send: this engine decodes with the policy module itself (see tlt.rl.step)."""
+        return {}
+
     # ---- steps ---------------------------------------------------------------------------
+    def _decode(self, st: DecodeState, opts, gen, outs, use_spec: bool, threshold: int, on_tail) -> None:
+        """Decode until every row finished: plain steps, SD rounds once <= threshold rows ran for
+        more than `spec_patience` steps; `on_tail(n_running)` once when the tail starts."""
+        in_tail, below = False, 0
+        while st.size > 0:
+            n_run = st.size
+            below = below + 1 if n_run <= threshold else 0
+            if not in_tail and n_run <= threshold:
+                in_tail = True
+                if on_tail is not None:
+                    on_tail(n_run)
+            t_step = time.perf_counter()
+            if use_spec and below > self.cfg.spec_patience:
+                self._spec_step(st, opts, gen, outs)
+            else:
+                self._plain_step(st, opts, gen, outs)
+            if n_run <= threshold:
+                outs.stats.tail_time_s += time.perf_counter() - t_step
+            self._retire(st, outs)
+
     def _prefill(self, prompts, group_size, opts, gen, outs, keep_aux: bool) -> DecodeState:
         """Prefill each prompt once, replicate the cache per group member, sample the first tokens."""
         t0 = time.perf_counter()
@@ -160,7 +167,7 @@ class RolloutEngine:
             st.add_pending(torch.cat([rep(ids[:, 1:]), tok[:, None]], 1), rep(fused), rep(pos), rep(valid))
         outs.emit(st, tok[:, None], token_logprobs(logits, tok)[:, None], torch.ones_like(tok), self.eos)
         outs.passes[st.rows] += 1
-        outs.stats["prefill_s"] += time.perf_counter() - t0
+        outs.stats.prefill_s += time.perf_counter() - t0
         return st
 
     def _plain_step(self, st: DecodeState, opts, gen, outs) -> None:
@@ -180,7 +187,7 @@ class RolloutEngine:
         st.last = tok
         outs.emit(st, tok[:, None], token_logprobs(logits, tok)[:, None], ones[:, 0].long(), self.eos)
         outs.passes[st.rows] += 1
-        outs.stats["decode_steps"] += 1
+        outs.stats.decode_steps += 1
 
     def _spec_step(self, st: DecodeState, opts, gen, outs) -> None:
         """One speculative round with the tuner's (or the configured) strategy."""
@@ -192,13 +199,13 @@ class RolloutEngine:
         if strategy.plain:  # the tuner's no-SD arm: one plain step, timed like a round
             self._plain_step(st, opts, gen, outs)
             produced = bsz
-            outs.stats["tuner_plain_steps"] += 1
+            outs.stats.tuner_plain_steps += 1
         else:
             produced = spec_round(self, st, strategy, opts, gen, outs)
         dt = time.perf_counter() - t0
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
-            outs.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
+            outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
 
     def _retire(self, st: DecodeState, outs) -> None:
         """Drop finished rows from the batch (cache rows too) and compact the cache when sparse."""
@@ -268,7 +275,7 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     if strategy.plain:
         raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
     old_cfg, old_tuner = engine.cfg, engine.tuner
-    old_history = getattr(engine, "history", None)  # engines without n-gram drafts (vLLM) keep none
+    old_history = engine.history  # engines without n-gram drafts (vLLM) keep none
     if old_history is not None:
         engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
     engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
@@ -281,8 +288,8 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
         for i in range(0, len(prompts), batch_size):
             out = engine.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
                                   seed=i, spec=True)
-            tokens += out.stats["spec_tokens"]
-            passes += out.stats["spec_row_passes"]
+            tokens += out.stats.spec_tokens
+            passes += out.stats.spec_row_passes
             responses += [list(r) for r in out.response_ids]
     finally:
         engine.cfg, engine.tuner = old_cfg, old_tuner

@@ -368,10 +368,10 @@ def _record(outs: Outputs, st: DecodeState, tree: DraftTree, n_acc, count, ngram
     outs.accepted[st.rows] += n_acc
     outs.passes[st.rows] += 1
     s = outs.stats
-    s["spec_steps"] += 1
-    s["spec_row_passes"] += st.size
-    s["spec_tokens"] += int(count.sum())
+    s.spec_steps += 1
+    s.spec_row_passes += st.size
+    s.spec_tokens += int(count.sum())
     if ngram:
-        s["ngram_row_passes"] += st.size
-        s["ngram_tokens"] += int(count.sum())
-    outs.count_positions((tree.depth * tree.valid).amax(1) if tree.depth.numel() else n_acc * 0, n_acc)
+        s.ngram_row_passes += st.size
+        s.ngram_tokens += int(count.sum())
+    s.count_positions((tree.depth * tree.valid).amax(1) if tree.depth.numel() else n_acc * 0, n_acc)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tlt.rollout.cache import SlotCache
+from tlt.rollout.stats import RolloutStats
 
 
 @dataclass
@@ -14,8 +15,8 @@ class RolloutBatch:
 
     logprobs: policy log-probs of the sampled tokens at temperature 1 over the raw logits.
     drafted / accepted: draft tokens verified / accepted for the sequence; target_passes: target
-    forwards that produced its tokens (prefill included). stats: engine-level counters (see
-    `Outputs.empty`) read by `tlt.metrics.rollout_metrics`.
+    forwards that produced its tokens (prefill included). stats: engine-level counters
+    (`RolloutStats`) read by `tlt.metrics.rollout_metrics`.
     """
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -25,7 +26,7 @@ class RolloutBatch:
     drafted: list[int]
     accepted: list[int]
     target_passes: list[int]
-    stats: dict = field(default_factory=dict)
+    stats: RolloutStats = field(default_factory=RolloutStats)
     features: list | None = None  # generate(capture=...): per sequence (aux [T,A], final hidden [T,H])
 
 
@@ -95,20 +96,16 @@ class Outputs:
     accepted: torch.Tensor  # [N] long
     passes: torch.Tensor    # [N] long
     max_new: int
-    stats: dict
+    stats: RolloutStats
     capture: object = None  # engine.Capture when generate(capture=...)
     group_size: int = 1     # sequence i belongs to GRPO group i // group_size
 
     @classmethod
     def empty(cls, n: int, max_new: int, device) -> "Outputs":
         z = lambda dt=torch.long: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
-        stats = {"time_s": 0.0, "prefill_s": 0.0, "tail_time_s": 0.0, "decode_steps": 0, "spec_steps": 0, "tuner_plain_steps": 0,
-                 "spec_row_passes": 0, "spec_tokens": 0,
-                 "ngram_row_passes": 0, "ngram_tokens": 0, "target_forwards": 0, "accepted_pos": [], "drafted_pos": [],
-                 "strategy": {}}
         return cls(torch.zeros(n, max_new, dtype=torch.long, device=device),
                    torch.zeros(n, max_new, dtype=torch.float32, device=device), z(), z(torch.bool),
-                   z(torch.bool), z(), z(), z(), max_new, stats)
+                   z(torch.bool), z(), z(), z(), max_new, RolloutStats())
 
     def emit(self, st: DecodeState, toks: torch.Tensor, lps: torch.Tensor, count: torch.Tensor,
              eos: torch.Tensor) -> torch.Tensor:
@@ -134,23 +131,10 @@ class Outputs:
         self.eos[st.rows] |= hit
         return count
 
-    def count_positions(self, drafted_depth: torch.Tensor, n_acc: torch.Tensor) -> None:
-        """drafted_depth [B] deepest draft per row, n_acc [B] accepted: per-position counters."""
-        dmax = int(drafted_depth.max()) if drafted_depth.numel() else 0
-        for name, vals in (("drafted_pos", drafted_depth), ("accepted_pos", n_acc)):
-            lst = self.stats[name]
-            lst.extend([0] * (dmax - len(lst)))
-            for i in range(dmax):
-                lst[i] += int((vals > i).sum())
-
-    def record_strategy(self, bucket: int, arm: int) -> None:
-        per = self.stats["strategy"].setdefault(str(bucket), {})
-        per[str(arm)] = per.get(str(arm), 0) + 1
-
     def to_batch(self, prompts: list[list[int]], group_size: int) -> RolloutBatch:
         n = self.n.tolist()
         toks, lps = self.tok.tolist(), self.lp.tolist()
-        self.stats["tokens"] = int(sum(n))
+        self.stats.tokens = int(sum(n))
         return RolloutBatch(
             prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
             response_ids=[t[:k] for t, k in zip(toks, n)], logprobs=[lp[:k] for lp, k in zip(lps, n)],

@@ -26,9 +26,11 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
+from typing import Callable
 
 from tlt.errors import UserError
 from tlt.rollout.state import RolloutBatch
+from tlt.rollout.stats import RolloutStats
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -133,7 +135,7 @@ class VllmRolloutEngine:
                                                  "eagle3" if self.drafter is not None else None)
         self.k = cfg.strategy.depth
         self.tuner = None  # vLLM picks no strategy per batch size
-        self.on_tail = None  # called once per generate when <= spec_threshold sequences run (spot trainer)
+        self.history = None  # nor drafts n-grams from earlier answers
         self.rebuilds = 0
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -229,24 +231,25 @@ class VllmRolloutEngine:
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, spec_threshold: int | None = None) -> RolloutBatch:
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
         """Sample `group_size` responses per prompt, group-major (sequence i is prompt i // group_size).
 
         logprobs: log-probs of the sampled tokens under the raw logits at temperature 1 (vLLM's
         raw_logprobs), as RolloutBatch defines them. `spec` and `spec_threshold` are ignored (see the
-        class doc).
+        class doc). on_tail: called once when <= spec_threshold sequences run (spot trainer).
         """
         self.sync()
         cfg = self.cfg
         t0 = time.perf_counter()
-        reply = self._rpc("generate", prompts=[list(map(int, p)) for p in prompts], n=group_size,
+        reply = self._rpc("generate", on_tail=on_tail, prompts=[list(map(int, p)) for p in prompts], n=group_size,
                           temperature=cfg.temperature if temperature is None else temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
                           seed=seed, stop_token_ids=self.eos_ids, tail_at=cfg.spec_threshold)
         return self._batch(prompts, group_size, reply, time.perf_counter() - t0)
 
     def _batch(self, prompts, group_size: int, reply: dict, wall_s: float) -> RolloutBatch:
-        """Worker reply -> RolloutBatch; stats carry the keys of `Outputs.empty` that metrics read."""
+        """Worker reply -> RolloutBatch; the worker's counters become the `RolloutStats` that metrics read."""
         seqs = reply["seqs"]
         drafted, accepted, passes, spec_tokens = [], [], [], 0
         pos = [0] * self.k
@@ -260,11 +263,12 @@ class VllmRolloutEngine:
             spec_tokens += spec_tok
             pos = [a + b for a, b in zip(pos, c["accepted_pos"] + [0] * (self.k - len(c["accepted_pos"])))]
         rounds = sum((s["spec"] or {}).get("drafts", 0) for s in seqs)
-        stats = {"time_s": wall_s, "prefill_s": 0.0, "tail_time_s": reply["tail_time_s"], "decode_steps": reply["steps"],
-                 "spec_steps": reply["steps"] if rounds else 0, "tuner_plain_steps": 0, "spec_row_passes": rounds,
-                 "spec_tokens": spec_tokens, "accepted_pos": pos if rounds else [],
-                 "drafted_pos": [rounds] * self.k if rounds and self.method == "eagle3" else [], "strategy": {},
-                 "tokens": sum(len(s["ids"]) for s in seqs), "vllm": {**reply["counters"], "time_s": reply["time_s"]}}
+        stats = RolloutStats(time_s=wall_s, tail_time_s=reply["tail_time_s"], decode_steps=reply["steps"],
+                             spec_steps=reply["steps"] if rounds else 0, spec_row_passes=rounds, spec_tokens=spec_tokens,
+                             accepted_pos=pos if rounds else [],
+                             drafted_pos=[rounds] * self.k if rounds and self.method == "eagle3" else [],
+                             tokens=sum(len(s["ids"]) for s in seqs),
+                             vllm={**reply["counters"], "time_s": reply["time_s"]})
         return RolloutBatch(prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
                             response_ids=[s["ids"] for s in seqs], logprobs=[s["logprobs"] for s in seqs],
                             group_index=[i // group_size for i in range(len(seqs))],
@@ -272,7 +276,7 @@ class VllmRolloutEngine:
                             target_passes=passes, stats=stats)
 
     # ---- process ---------------------------------------------------------------------------
-    def _rpc(self, op: str, **request) -> dict:
+    def _rpc(self, op: str, on_tail: Callable[[int], None] | None = None, **request) -> dict:
         """One request, one reply; `tail` events in between call `on_tail`."""
         if self.proc.poll() is not None:
             raise VllmWorkerError(f"the vLLM worker exited (rc {self.proc.returncode}); {self._log_tail()}")
@@ -284,8 +288,8 @@ class VllmRolloutEngine:
                 raise VllmWorkerError(f"the vLLM worker died during '{op}' (rc {self.proc.wait()}); {self._log_tail()}")
             msg = json.loads(line)
             if msg.get("event") == "tail":
-                if self.on_tail is not None:
-                    self.on_tail(msg["running"])
+                if on_tail is not None:
+                    on_tail(msg["running"])
                 continue
             if not msg.get("ok"):
                 raise VllmWorkerError(f"vLLM worker '{op}' failed: {msg.get('error')}; {self._log_tail()}")

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import queue
 import time
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
 
 from tlt.rollout.state import RolloutBatch
-
-_SUMMED = ("prefill_s", "decode_steps", "spec_steps", "tuner_plain_steps", "spec_row_passes", "spec_tokens",
-           "ngram_row_passes", "ngram_tokens", "target_forwards", "tokens")
+from tlt.rollout.stats import RolloutStats
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
@@ -35,15 +34,12 @@ def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
 def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idle_s: float) -> RolloutBatch:
     """Concatenate shard batches (in shard order) into one group-major batch.
 
-    Counters add up; position and strategy counters add element-wise; `time_s` is the wall-clock
-    of the whole sharded rollout, `tail_time_s` the longest tail of any worker, `worker_idle_s` the
+    Stats combine with `RolloutStats.merge` (counters add up, `tail_time_s` is the longest tail of
+    any worker); `time_s` is the wall-clock of the whole sharded rollout, `worker_idle_s` the
     worker-seconds spent waiting for the slowest shard.
     """
-    out = RolloutBatch([], [], [], [], [], [], [], [], stats={k: 0 for k in _SUMMED})
+    out = RolloutBatch([], [], [], [], [], [], [], [], stats=RolloutStats(workers=0))
     offset = 0
-    pos: dict[str, list[int]] = {"accepted_pos": [], "drafted_pos": []}
-    strategy: dict[str, dict[str, int]] = {}
-    tail = 0.0
     for b in parts:
         out.prompt_ids += b.prompt_ids
         out.response_ids += b.response_ids
@@ -54,20 +50,8 @@ def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idl
         out.accepted += b.accepted
         out.target_passes += b.target_passes
         offset += len(b.response_ids) // group_size
-        for k in _SUMMED:
-            out.stats[k] += b.stats.get(k, 0)
-        for name, acc in pos.items():
-            vals = b.stats.get(name, [])
-            acc.extend([0] * (len(vals) - len(acc)))
-            for i, v in enumerate(vals):
-                acc[i] += v
-        for bucket, arms in b.stats.get("strategy", {}).items():
-            per = strategy.setdefault(bucket, {})
-            for arm, n in arms.items():
-                per[arm] = per.get(arm, 0) + n
-        tail = max(tail, b.stats.get("tail_time_s", 0.0))
-    out.stats.update(pos, strategy=strategy, time_s=wall_s, tail_time_s=tail, worker_idle_s=idle_s,
-                     workers=len(parts))
+        out.stats = out.stats.merge(b.stats)
+    out.stats.time_s, out.stats.worker_idle_s = wall_s, idle_s
     return out
 
 
@@ -112,7 +96,7 @@ class WorkerPool:
             raise ValueError("rollout.workers > 1 runs CPU worker processes; on GPUs use rollout.backend: vllm")
         self.cfg, self.n = cfg, n_workers
         self.tuner = None  # each worker keeps its own bandit (not part of run checkpoints)
-        self.on_tail = None
+        self.history = None  # and its own n-gram prompt history
         self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
         model.share_memory()  # in place: the trainer's updates reach the workers with no copy
         self._policy = dict(model.state_dict())
@@ -169,8 +153,10 @@ class WorkerPool:
 
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, spec_threshold: int | None = None) -> RolloutBatch:
-        """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`."""
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
+        """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`. The tail
+        (`on_tail`) starts when the first worker finishes its shard while the others decode on."""
         self.sync()
         sizes = shard_sizes(len(prompts), self.n)
         t0, start = time.perf_counter(), 0
@@ -184,8 +170,8 @@ class WorkerPool:
         while len(parts) < len(sizes):
             rank, _, (batch, _) = self._get(3600.0)
             parts[rank], finished_at[rank] = batch, time.perf_counter()
-            if len(parts) == 1 and len(sizes) > 1 and self.on_tail is not None:
-                self.on_tail(len(sizes) - 1)  # a worker is idle while the others finish their tails
+            if len(parts) == 1 and len(sizes) > 1 and on_tail is not None:
+                on_tail(len(sizes) - 1)  # a worker is idle while the others finish their tails
         wall = time.perf_counter() - t0
         idle = sum(t0 + wall - t for t in finished_at.values())
         return merge_batches([parts[i] for i in range(len(sizes))], group_size, wall, idle)

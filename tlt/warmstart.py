@@ -1,6 +1,6 @@
 """Warm-start the drafter on the target's self-distilled corpus before RL (TLT: drafter section).
 
-The corpus (tlt.drafter.corpus) holds the target's own greedy and rollout-temperature answers
+The corpus (tlt.corpus) holds the target's own greedy and rollout-temperature answers
 to fresh task prompts; one batched target forward over prompt + response gives the hidden
 states and next-token distributions the drafter learns from (EAGLE-3 loss, training-time test,
 warmup + cosine LR). The draft vocabulary is the corpus' most frequent response tokens. The
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from tlt.drafter.corpus import Corpus, vocab_coverage
+from tlt.corpus import Corpus, vocab_coverage
 from tlt.drafter.train import DrafterTrainer, Sample, collect_samples, count_batches, pack
 from tlt.rollout.engine import measure_accept
 from tlt.summaries import WarmstartSummary
