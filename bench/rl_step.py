@@ -75,10 +75,11 @@ def shared_warmstart(pipes: dict) -> bool:
     return same
 
 
-def step_record(pipe, summary) -> dict:
+def step_record(summary) -> dict:
     """What the benchmark keeps of one step: its metrics and the per-sample rewards by group."""
-    batch, m = pipe.ctx.last_batch, summary.metrics
-    prompts = list(dict.fromkeys(s["prompt"] for s in pipe.ctx.samples))
+    m, samples = summary.metrics, summary.samples
+    ids = list(dict.fromkeys(s["prompt_id"] for s in samples))
+    prompts = list(dict.fromkeys(s["prompt"] for s in samples))
     return {"step_s": m["timing_s/step"], "rollout_s": m.get("timing_s/rollout", 0.0),
             "update_policy_s": m.get("timing_s/update_policy", 0.0),
             "update_drafter_s": m.get("timing_s/update_drafter", 0.0), "sync_s": m.get("timing_s/sync", 0.0),
@@ -88,8 +89,8 @@ def step_record(pipe, summary) -> dict:
             "drafter_spot_steps": m.get("drafter/spot_steps"), "drafter_loss": m.get("drafter/loss"),
             "tokens_per_target_forward": m.get("rollout/tokens_per_target_forward"),
             "ngram_share": m.get("spec/ngram_share", 0.0),
-            "rewards": [float(s["reward"]) for s in pipe.ctx.samples],
-            "group_index": [int(g) for g in batch.group_index], "prompts": prompts}
+            "rewards": [float(s["reward"]) for s in samples],
+            "group_index": [ids.index(s["prompt_id"]) for s in samples], "prompts": prompts}
 
 
 def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
@@ -118,7 +119,7 @@ def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path)
         for step in range(steps):
             for m in order[step % 3:] + order[: step % 3]:  # rotate who goes first
                 summary = pipes[m].rl_step(step)
-                runs[m]["steps"].append(step_record(pipes[m], summary))
+                runs[m]["steps"].append(step_record(summary))
                 print(f"step {step} {m:>8}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
                       f"accept {summary.accept_len or 0:.2f}", flush=True)
         for m, p in pipes.items():

@@ -15,7 +15,7 @@ from tlt.config import DataConfig, GeneratorSpec
 from tlt.data import (BadRow, DataError, generate_rows, load_dataset, prompt_ids, read_rows, render_prompt,
                       rg_entry, split_rows, validate_file, validate_rows)
 from tlt.models import tiny_tokenizer
-from tlt.schemas import PROMPT_COLUMNS, PromptSchema, RolloutSchema
+from tlt.schemas import PROMPT_COLUMNS, PromptSchema, RolloutSchema, rollout_table
 
 DATA = Path(__file__).parent / "data"
 BAD = DATA / "bad"
@@ -225,8 +225,8 @@ def test_drop_cannot_fix_a_missing_column(tok):
 
 
 def test_rollout_schema():
-    good = pd.DataFrame({"prompt_id": ["a", "a"], "sample_idx": [0, 1], "response": ["4", "5"],
-                         "reward": [1.0, 0.0], "length": [1, 1]})
+    good = pd.DataFrame({"step": [0, 0], "prompt_id": ["a", "a"], "prompt": ["2+2?", "2+2?"], "sample_idx": [0, 1],
+                         "response": ["4", "5"], "reward": [1.0, 0.0], "length": [1, 1]})
     RolloutSchema.validate(good, lazy=True)
     bad = pd.concat([good, good]).assign(sample_idx=[0, 1, 2, 3], reward=[1.0, float("nan"), float("inf"), 0.0],
                                          length=[1, -1, 1, 1])
@@ -235,3 +235,13 @@ def test_rollout_schema():
     cases = err.value.failure_cases
     assert set(zip(cases["column"], cases["check"])) == {("reward", "not_nullable"), ("reward", "finite"),
                                                          ("length", "greater_than_or_equal_to(0)")}
+
+
+def test_rollout_table_numbers_group_members_and_rejects_bad_rewards():
+    prompts = pd.DataFrame({"id": ["p0", "p1"], "prompt": ["2+2?", "3+3?"]})
+    df = rollout_table(3, prompts, [0, 0, 1, 1, 0], ["4", "5", "6", "7", "4"], [1.0, 0.0, 1.0, 0.0, 1.0], [1, 1, 1, 2, 1])
+    assert list(df.columns) == ["step", "prompt_id", "prompt", "sample_idx", "response", "reward", "length"]
+    assert list(zip(df["prompt_id"], df["sample_idx"])) == [("p0", 0), ("p0", 1), ("p1", 0), ("p1", 1), ("p0", 2)]
+    assert list(df["prompt"]) == ["2+2?", "2+2?", "3+3?", "3+3?", "2+2?"] and set(df["step"]) == {3}
+    with pytest.raises(SchemaErrors):
+        rollout_table(3, prompts, [0, 1], ["4", "6"], [float("nan"), 1.0], [1, 1])

@@ -4,6 +4,7 @@ Two real runs (SD with the spot-trained drafter and two rollout worker processes
 decoding in one process) are made once per module
 and then read back, compared, exported and evaluated.
 """
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tlt.config import load_config
-from tlt.tracking import metric_history, read_run
+from tlt.schemas import RolloutSchema
+from tlt.tracking import download, metric_history, read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -54,6 +56,10 @@ def test_every_stage_tracked(runs):
     assert spot[1] == 0 and spot[2] > 0
     assert metric_history(rid, "warmstart/accept_len_after", uri)
     assert "plots" in run["artifacts"] and "drafter" in run["artifacts"]
+    # the rollout table of each step is a validated RolloutSchema frame
+    table = json.loads(download(f"runs:/{rid}/rollouts/step_0001.json", runs["tmp"] / "dl", uri).read_text())
+    assert table["columns"] == list(RolloutSchema.to_schema().columns)
+    assert len(table["data"]) == cfg.rollout.prompts_per_step * cfg.rollout.group_size
     for key in ("data-report", "models", "warmstart", "rl-step", "eval", "run-report", "export"):
         assert Artifact.get(key) is not None, key
     target, _ = load_target(cfg.model)

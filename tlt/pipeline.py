@@ -371,7 +371,8 @@ class Pipeline:
         if every and (step + 1) % every == 0:
             self.tracker.log_table(ctx.samples, f"rollouts/step_{step + 1:04d}.json")
         return StepSummary(step=step + 1, reward_mean=metrics["reward/mean"], accept_len=metrics.get("spec/accept_len/mean"),
-                           step_s=metrics["timing_s/step"], metrics={k: float(v) for k, v in metrics.items()})
+                           step_s=metrics["timing_s/step"], metrics={k: float(v) for k, v in metrics.items()},
+                           samples=ctx.samples)
 
     # -- stage 6: export ---------------------------------------------------------------------------
     def export(self) -> ExportSummary:

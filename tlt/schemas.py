@@ -119,7 +119,10 @@ class PromptSchema(pa.DataFrameModel):
 class RolloutSchema(pa.DataFrameModel):
     """One sampled response per row: group `prompt_id`, member `sample_idx` (GRPO group index)."""
 
+    step: Series[int] = pa.Field(ge=0)
     prompt_id: Series[str]
+    prompt: Series[str]
+    sample_idx: Series[int] = pa.Field(ge=0)
     sample_idx: Series[int] = pa.Field(ge=0)
     response: Series[str]
     reward: Series[float]
@@ -133,6 +136,26 @@ class RolloutSchema(pa.DataFrameModel):
     @pa.check("reward", name="finite")
     def _finite(cls, reward: Series[float]) -> Series[bool]:
         return reward.map(math.isfinite)
+
+
+def rollout_table(step: int, prompts: pd.DataFrame, group_index: list[int], responses: list[str],
+                  rewards: list[float], lengths: list[int]) -> pd.DataFrame:
+    """The rollout of one RL step as a validated `RolloutSchema` frame (raises SchemaErrors).
+
+    `prompts` is the step's prompt table (columns id, prompt); `group_index[i]` is the row of
+    response i in it. A NaN reward or a repeated (prompt_id, sample_idx) is a bug upstream, so
+    it fails here rather than in the tracker's table.
+    """
+    counts: dict[int, int] = {}
+    sample_idx = []
+    for g in group_index:
+        sample_idx.append(counts.get(g, 0))
+        counts[g] = sample_idx[-1] + 1
+    df = pd.DataFrame({"step": step, "prompt_id": [str(prompts["id"].iloc[g]) for g in group_index],
+                       "prompt": [prompts["prompt"].iloc[g] for g in group_index], "sample_idx": sample_idx,
+                       "response": list(responses), "reward": [float(r) for r in rewards],
+                       "length": [int(n) for n in lengths]})
+    return RolloutSchema.validate(df, lazy=True)
 
 
 # ---------------------------------------------------------------- failures -> BadRows

@@ -55,6 +55,9 @@ class StepSummary(BaseModel):
     accept_len: float | None = None
     step_s: float
     metrics: dict[str, float] = Field(default_factory=dict)
+    # The step's rollout, one `RolloutSchema` row per response (validated). Kept out of
+    # serialisation: Prefect persists task results, and these are already a tracked table.
+    samples: list[dict] = Field(default_factory=list, exclude=True)
 
 
 class ExportSummary(BaseModel):

@@ -19,6 +19,7 @@ from torch import Tensor
 from tlt.faults import fault
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
+from tlt.schemas import rollout_table
 
 if TYPE_CHECKING:
     from tlt.drafter.buffer import DraftBuffer
@@ -225,6 +226,6 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics["perf/tokens_per_s"] = sum(map(len, batch.response_ids)) / max(metrics["timing_s/step"], 1e-9)
     ctx.last_batch = batch
-    ctx.samples = [{"step": step, "prompt": rows["prompt"].iloc[g], "response": t, "reward": r}
-                   for g, t, r in zip(batch.group_index, texts, rewards)]
+    ctx.samples = rollout_table(step, rows, batch.group_index, texts, rewards,
+                                list(map(len, batch.response_ids))).to_dict("records")
     return metrics
