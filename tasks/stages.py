@@ -56,7 +56,9 @@ def warmstart_drafter(run_id: str) -> WarmstartSummary:
 
 @task(name="resume", cache_policy=NO_CACHE)
 def resume(run_id: str) -> int:
-    start = get_pipeline(run_id).resume()
+    pipe = get_pipeline(run_id)
+    pipe.start_steps()  # rollout workers (rollout.workers > 1) start here, before the checkpoint is read
+    start = pipe.resume()
     if start:
         get_run_logger().info(f"resumed from checkpoint step-{start - 1:06d}: next RL step {start}")
     return start

@@ -11,9 +11,35 @@ from pathlib import Path
 
 import torch
 
+from tlt import retrain as retraining
+from tlt.checkpoint import load_checkpoint
 from tlt.config import RunConfig, dump_yaml, flatten
+from tlt.corpus import build_corpus
+from tlt.data import load_dataset
+from tlt.data import prompt_ids as encode_prompt
+from tlt.drafter.model import build_drafter
+from tlt.drafter.refresh import DrafterRefresher
+from tlt.drafter.spot import SpotTrainer
+from tlt.drafter.train import DrafterTrainer
+from tlt.evaluate import evaluate as evaluate_heldout
+from tlt.export import export_eagle3
+from tlt.models import eos_token_ids, load_target, load_tokenizer
+from tlt.preflight import check_export_dir, check_reward_fn
+from tlt.report import RunRecord, log_report
+from tlt.rl.resume import checkpoint_metrics, restore_run_state, save_run_state
+from tlt.rl.rewards import get_reward_fn
+from tlt.rl.sampler import PromptSampler
+from tlt.rl.step import StepContext
+from tlt.rl.step import rl_step as run_rl_step
+from tlt.rl.update import make_updater
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.tuner import StrategyTuner
+from tlt.rollout.vllm_backend import VllmRolloutEngine
+from tlt.rollout.workers import WorkerPool
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import NullTracker
+from tlt.warmstart import accept_report, fingerprint
+from tlt.warmstart import warmstart as warmstart_drafter
 
 _PIPELINES: dict[str, "Pipeline"] = {}
 
@@ -43,8 +69,6 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
 
 class Pipeline:
     def __init__(self, cfg: RunConfig, tracker=None, retrain: bool = False):
-        from tlt.report import RunRecord
-
         self.cfg, self.retrain = cfg, retrain
         self.tracker = tracker or NullTracker()
         name = tracker.run_id if tracker is not None and tracker.run_id else cfg.name
@@ -70,21 +94,17 @@ class Pipeline:
     # -- stage 1: data -------------------------------------------------------------------------
     def load_tokenizer(self):
         if self.tokenizer is None:
-            from tlt.models import load_tokenizer
-
             self.tokenizer = load_tokenizer(self.cfg.model)
         return self.tokenizer
 
     def validate_data(self) -> DataSummary:
-        from tlt.data import load_dataset
-
         ds = load_dataset(self.cfg.data, self.load_tokenizer())
         self.dataset = ds
         train_path, heldout_path = self.run_dir / "train.parquet", self.run_dir / "heldout.parquet"
         ds.train.to_parquet(train_path)
         ds.heldout.to_parquet(heldout_path)
-        self._probe_reward(ds.train.head(4))
-        self._check_export_dir()
+        check_reward_fn(self.cfg, ds.train.head(4))
+        check_export_dir(self.cfg)
         n_dropped = len(ds.dropped) if ds.dropped is not None else 0
         if n_dropped:
             self.tracker.log_text(ds.report.format(), "data/dropped_rows.txt")
@@ -95,37 +115,12 @@ class Pipeline:
                            n_dropped=n_dropped, tasks={str(k): int(v) for k, v in tasks.items()},
                            train_path=str(train_path), heldout_path=str(heldout_path))
 
-    def _probe_reward(self, rows) -> None:
-        """Fail in seconds, not after warm-start: a user reward function that raises or returns
-        NaN on the gold answers themselves raises RewardError here."""
-        from tlt.rl.rewards import BUILTIN, checked_rewards, get_reward_fn
-
-        if self.cfg.rl.reward not in BUILTIN:
-            answers = [str(a) for a in rows["answer"]]
-            checked_rewards(get_reward_fn(self.cfg.rl.reward), answers, answers, tasks=list(rows["task"]),
-                            metas=list(rows["meta"]))
-
-    def _check_export_dir(self) -> None:
-        """Refuse a non-empty export.out_dir now rather than after training (export never overwrites it)."""
-        from tlt.export import ExportError
-
-        e = self.cfg.export
-        out = Path(e.out_dir) if e.enabled and e.out_dir else None
-        if out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ExportError(f"export.out_dir '{out}' exists and is not empty; the run would fail at its export "
-                              "after training. Choose an empty or new directory, or remove it (`tlt export --force` "
-                              "replaces a directory from a finished run's checkpoint).")
-
     def prompt_ids(self, prompts) -> list[list[int]]:
-        from tlt.data import prompt_ids
-
         d = self.cfg.data
-        return [prompt_ids(self.tokenizer, p, d.instruction, d.system_prompt) for p in prompts]
+        return [encode_prompt(self.tokenizer, p, d.instruction, d.system_prompt) for p in prompts]
 
     # -- stage 2: models -----------------------------------------------------------------------
     def prepare(self) -> ModelSummary:
-        from tlt.models import eos_token_ids, load_target
-
         t0 = time.perf_counter()
         self.model, self.tokenizer = load_target(self.cfg.model)
         if self.retrain:
@@ -142,30 +137,13 @@ class Pipeline:
         return summary
 
     def _load_champion_policy(self) -> None:
-        """Retrain: continue from the policy checkpoint that the champion drafter was trained with
-        (tlt.retrain.champion_policy: a missing one is an error unless the config allows the base)."""
-        from safetensors.torch import load_file
-
-        from tlt.retrain import champion_policy
-        from tlt.tracking import champion
-
-        self.champion = champion(self.cfg.export.model_name, self.cfg.tracking.tracking_uri)
-        path = champion_policy(self.champion, self.cfg.deploy.on_missing_champion_policy)
-        if path is not None:
-            self.model.load_state_dict(load_file(path), strict=True)
-        self.tracker.set_tags({"retrain.from_version": (self.champion or {}).get("version", "none"),
-                               "retrain.policy": str(path.parent) if path is not None else "base"})
+        """Retrain: continue from the champion's policy checkpoint (tlt.retrain.load_champion_policy)."""
+        self.champion = retraining.load_champion_policy(self.model, self.cfg, self.tracker)
 
     def _build_engine(self) -> None:
-        from tlt.drafter.model import build_drafter
-        from tlt.rollout.engine import RolloutEngine
-        from tlt.rollout.tuner import StrategyTuner
-
         r = self.cfg.rollout
         self.drafter = build_drafter(self.model, self.cfg.drafter) if r.drafter == "eagle" else None
         if r.backend == "vllm":  # every stage's generation (rollout, warm-start, eval) goes through vLLM
-            from tlt.rollout.vllm_backend import VllmRolloutEngine
-
             self.engine = VllmRolloutEngine.for_run(self.model, self.tokenizer, self.cfg, self.eos_ids, self.drafter,
                                                     self.run_dir)
             return
@@ -186,11 +164,8 @@ class Pipeline:
 
     def evaluate(self, step: int, sd: str = "config") -> EvalSummary:
         """Held-out accuracy (greedy, decoding as `generate_greedy(sd=...)`), accept lengths, logged."""
-        from tlt.evaluate import evaluate
-        from tlt.rl.rewards import get_reward_fn
-
         heldout = self.dataset.heldout
-        summary, records = evaluate(
+        summary, records = evaluate_heldout(
             heldout, self.prompt_ids(heldout["prompt"]), lambda p, n: self.generate_greedy(p, n, sd),
             lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), get_reward_fn(self.cfg.rl.reward),
             self.cfg.eval.max_new_tokens, self.cfg.eval.batch_size, step)
@@ -209,10 +184,6 @@ class Pipeline:
 
     def load_weights(self, checkpoint: str | Path) -> int:
         """Policy (and drafter, when present) from a run checkpoint, for evaluation; returns its step."""
-        from tlt.checkpoint import load_checkpoint
-        from tlt.drafter.refresh import DrafterRefresher
-        from tlt.drafter.train import DrafterTrainer
-
         tensors, state, _ = load_checkpoint(Path(checkpoint))
         self.model.load_state_dict(tensors["policy"], strict=True)
         if "drafter" in tensors and self.drafter is not None:
@@ -224,16 +195,11 @@ class Pipeline:
     def heldout_accept_len(self, temperature: float = 0.0) -> float:
         """Accept length on the first `drafter.warmstart_eval_prompts` held-out prompts: tuner off,
         the fixed `drafter.eval_strategy`, `drafter.eval_max_new_tokens` each (warmstart.accept_report)."""
-        from tlt.warmstart import accept_report
-
         prompts = self.prompt_ids(self.dataset.heldout["prompt"][: self.cfg.drafter.warmstart_eval_prompts])
         return accept_report(self.engine, prompts, self.cfg, temperature).accept_len
 
     def build_corpus(self):
         """The drafter's self-distilled warm-start corpus (tlt.corpus), logged as a dataset input."""
-        from tlt.corpus import build_corpus
-        from tlt.warmstart import fingerprint
-
         ds = self.dataset
         corpus = build_corpus(self.engine, self.prompt_ids, self.cfg, ds.train["prompt"].tolist(),
                               ds.heldout["prompt"].tolist(), Path(self.cfg.model.cache_dir).parent / "corpora",
@@ -246,21 +212,17 @@ class Pipeline:
         return corpus
 
     def report(self) -> str:
-        from tlt.report import log_report
-
         return log_report(self.record, self.evals, self.tracker, self.cfg.rollout.max_new_tokens)
 
     # -- stage 3: drafter warm-start -------------------------------------------------------------
     def warmstart(self, corpus=None) -> WarmstartSummary:
         """Warm-start on `corpus` (default: `build_corpus()`; a caller that also needs the corpus'
         captured features, e.g. bench/adaptive.py, builds it once and passes it)."""
-        from tlt.warmstart import warmstart
-
         ds, d = self.dataset, self.cfg.drafter
         if self.champion is not None:  # retrain: start from the champion drafter, no warm-start
             return self._load_champion_drafter()
         corpus = corpus if corpus is not None else self.build_corpus()
-        summary, trainer = warmstart(
+        summary, trainer = warmstart_drafter(
             self.model, self.drafter, self.engine, corpus,
             self.prompt_ids(ds.heldout["prompt"][: d.warmstart_eval_prompts]), self.cfg,
             Path(self.cfg.model.cache_dir).parent / "drafters", log=self.tracker.log_metrics)
@@ -273,14 +235,8 @@ class Pipeline:
         return summary
 
     def _load_champion_drafter(self) -> WarmstartSummary:
-        from safetensors.torch import load_file
-
-        from tlt.drafter.train import DrafterTrainer
-        from tlt.tracking import download
-
         t0 = time.perf_counter()
-        local = download(self.champion["source"], self.run_dir / "champion", self.cfg.tracking.tracking_uri)
-        self.drafter.load_state_dict(load_file(local / "model.safetensors"), strict=True)
+        local = retraining.load_champion_drafter(self.drafter, self.champion, self.cfg, self.run_dir / "champion")
         trainer = DrafterTrainer(self.drafter, self.cfg.drafter, self.model.get_output_embeddings().weight)
         self.refresher = self._make_refresher(trainer)
         acc = self.heldout_accept_len()
@@ -289,9 +245,6 @@ class Pipeline:
 
     def _make_refresher(self, trainer):
         """Spot trainer (drafter training in the rollout's tail) or sequential refresher."""
-        from tlt.drafter.refresh import DrafterRefresher
-        from tlt.drafter.spot import SpotTrainer
-
         d = self.cfg.drafter
         if not d.spot:
             return DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
@@ -303,24 +256,14 @@ class Pipeline:
 
     def promote(self, export: ExportSummary) -> bool:
         """Move the `champion` alias to the new version unless held-out accept length dropped."""
-        from tlt.retrain import champion_accept_len, should_promote
-        from tlt.tracking import set_champion
-
-        old = champion_accept_len(self.champion)
-        ok = should_promote(export.version, export.accept_len, self.champion)
-        if ok:
-            set_champion(self.cfg.export.model_name, export.version, self.cfg.tracking.tracking_uri)
-        self.tracker.log_metrics({"export/promoted": float(ok), "export/champion_accept_len": old}, self.cfg.rl.steps)
-        return ok
+        return retraining.promote(self.cfg, self.tracker, export.version, export.accept_len, self.champion)
 
     # -- stage 4: RL steps -----------------------------------------------------------------------
-    def _context(self):
+    def start_steps(self) -> StepContext:
+        """What the RL steps share (rollout engine, updater, prompt sampler, reward, refresher),
+        built once. With `rollout.workers` > 1 this starts the worker processes; `resume()` and
+        `rl_step()` call it, so the first of them pays for the start-up."""
         if self.ctx is None:
-            from tlt.rl.rewards import get_reward_fn
-            from tlt.rl.sampler import PromptSampler
-            from tlt.rl.step import StepContext
-            from tlt.rl.update import make_updater
-
             self.ctx = StepContext(cfg=self.cfg, model=self.model, tokenizer=self.tokenizer, engine=self._rollout_engine(),
                                    updater=make_updater(self.model, self.cfg),
                                    sampler=PromptSampler(self.dataset.train, seed=self.cfg.data.seed),
@@ -334,17 +277,13 @@ class Pipeline:
         r = self.cfg.rollout
         if r.workers <= 1:
             return self.engine
-        from tlt.rollout.workers import WorkerPool
-
         self.pool = WorkerPool(self.model, r, self.eos_ids, self.tokenizer.pad_token_id, r.workers,
                                drafter=self.drafter, seed=self.cfg.rl.seed)
         return self.pool
 
     def resume(self) -> int:
         """Restore the newest verified checkpoint of this run; returns the first step still to run."""
-        from tlt.rl.resume import checkpoint_metrics, restore_run_state
-
-        state = restore_run_state(self._context(), self.run_dir / "checkpoints")
+        state = restore_run_state(self.start_steps(), self.run_dir / "checkpoints")
         logged = checkpoint_metrics(state)
         if logged:  # a crash between the save and the log: the tracker skips (key, step)s the run has
             self.tracker.log_metrics(logged[1], step=logged[0])
@@ -354,11 +293,8 @@ class Pipeline:
         return 0 if state is None else state["step"] + 1
 
     def rl_step(self, step: int) -> StepSummary:
-        from tlt.rl.resume import save_run_state
-        from tlt.rl.step import rl_step
-
-        ctx = self._context()
-        metrics = rl_step(ctx, step)
+        ctx = self.start_steps()
+        metrics = run_rl_step(ctx, step)
         if (step + 1) % self.cfg.trainer.checkpoint_every == 0 or step + 1 == self.cfg.rl.steps:
             t0 = time.perf_counter()
             self.last_checkpoint = save_run_state(ctx, step, self.run_dir / "checkpoints",
@@ -377,8 +313,6 @@ class Pipeline:
     # -- stage 6: export ---------------------------------------------------------------------------
     def export(self) -> ExportSummary:
         """EAGLE-3 directory (EXPORT_SPEC.md) logged to MLflow and registered as a model version."""
-        from tlt.export import export_eagle3
-
         t0 = time.perf_counter()
         # The final evaluation measured the same weights already; measure only if it did not run.
         accept_len = self.eval_accept_len.get(self.cfg.rl.steps)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from tlt.errors import UserError
+from tlt.tracking import champion, download, set_champion
 
 log = logging.getLogger(__name__)
 
@@ -52,3 +55,35 @@ def champion_accept_len(champion: dict | None) -> float:
 def should_promote(version: str | None, accept_len: float | None, champion: dict | None) -> bool:
     """Promote a registered version unless its accept length dropped below the champion's."""
     return version is not None and (accept_len or 0.0) >= champion_accept_len(champion)
+
+
+# ---------------------------------------------------------------- the retrain stages
+def load_champion_policy(model, cfg, tracker) -> dict | None:
+    """Retrain: load into `model` the policy checkpoint the champion drafter was trained with
+    (`champion_policy` decides; a missing one is an error unless the config allows the base).
+    Tags the run with where it continued from; returns the champion (None without one)."""
+    found = champion(cfg.export.model_name, cfg.tracking.tracking_uri)
+    path = champion_policy(found, cfg.deploy.on_missing_champion_policy)
+    if path is not None:
+        model.load_state_dict(load_file(path), strict=True)
+    tracker.set_tags({"retrain.from_version": (found or {}).get("version", "none"),
+                      "retrain.policy": str(path.parent) if path is not None else "base"})
+    return found
+
+
+def load_champion_drafter(drafter, found: dict, cfg, dst: Path) -> Path:
+    """Retrain: the champion's exported drafter weights into `drafter` (no warm-start); returns
+    the local copy of its directory."""
+    local = download(found["source"], dst, cfg.tracking.tracking_uri)
+    drafter.load_state_dict(load_file(local / "model.safetensors"), strict=True)
+    return local
+
+
+def promote(cfg, tracker, version: str | None, accept_len: float | None, found: dict | None) -> bool:
+    """Move the `champion` alias to `version` unless its held-out accept length dropped; logged."""
+    old = champion_accept_len(found)
+    ok = should_promote(version, accept_len, found)
+    if ok:
+        set_champion(cfg.export.model_name, version, cfg.tracking.tracking_uri)
+    tracker.log_metrics({"export/promoted": float(ok), "export/champion_accept_len": old}, cfg.rl.steps)
+    return ok
