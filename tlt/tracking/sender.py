@@ -24,6 +24,7 @@ class SpoolSender:
     def __init__(self, client: MlflowClient, run_id: str, spool: Spool, uri: str):
         self.client, self.run_id, self._spool, self.uri = client, run_id, spool, uri
         self._offline_until = 0.0
+        self._warned = False  # one warning per outage, not one per retry
 
     @property
     def spool(self) -> Path:
@@ -53,6 +54,9 @@ class SpoolSender:
 
     def _went_offline(self, err: Exception) -> None:
         self._offline_until = time.monotonic() + OFFLINE_RETRY_S
+        if self._warned:
+            return
+        self._warned = True
         log.warning("MLflow store %s unreachable (%s); spooling to %s",
                     self.uri, (str(err).splitlines() or [""])[0][:200], self.spool)
 
@@ -79,6 +83,9 @@ class SpoolSender:
                     self._spool.keep(entries[i:])
                     return False
             self._spool.keep([])
+        if self._warned:
+            log.info("MLflow store %s reachable again: the spooled calls of run %s are sent", self.uri, self.run_id)
+            self._warned = False
         return True
 
     def _online(self, call) -> bool:
