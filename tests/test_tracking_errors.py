@@ -92,3 +92,26 @@ def test_end_retries_until_flush_timeout(mlflow_uri, tmp_path, monkeypatch):
     assert tracker.end() is False
     took = time.monotonic() - t0
     assert 2.5 <= took < 10 and len(attempts) >= 3, (took, len(attempts))  # tries at 0, 1, 3 s (deadline 2.5)
+
+
+def test_sync_command_and_the_quiet_sync_of_tlt_run(mlflow_uri, tmp_path, monkeypatch, capsys):
+    """`tlt tracking sync` exits 3 while the store is down (the spool kept), 0 once it is sent; the
+    quiet sync that `tlt run` starts with says nothing when no spool is pending."""
+    from typer.testing import CliRunner
+
+    from tlt import cli
+    from tlt.spool import Spool
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("TLT_MLFLOW_SPOOL_DIR", str(tmp_path / "spool"))
+    tracker = MlflowTracker("errors", uri=mlflow_uri)
+    Spool(tmp_path / "spool", tracker.run_id).append("terminate", {"status": "FINISHED"})
+    runner = CliRunner()
+    down = runner.invoke(cli.app, ["tracking", "sync", "--uri", f"http://127.0.0.1:{free_port()}"])
+    assert down.exit_code == 3 and "sent 0 call(s), 1 left (store unreachable)" in down.output, down.output
+    up = runner.invoke(cli.app, ["tracking", "sync", "--uri", mlflow_uri])
+    assert up.exit_code == 0 and "every spooled call is sent" in up.output, up.output
+    assert MlflowClient(mlflow_uri).get_run(tracker.run_id).info.status == "FINISHED"
+    capsys.readouterr()
+    cli._sync_quietly(mlflow_uri)
+    assert capsys.readouterr().err == ""

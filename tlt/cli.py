@@ -167,12 +167,14 @@ def _exit_if_unsent(run_id: str, uri: str | None) -> None:
 
 
 @tracking_app.command("sync")
-def tracking_sync(uri: Optional[str] = typer.Option(None, "--uri", help="Tracking URI (default: MLFLOW_TRACKING_URI, "
-                                                    "else mlflow/mlflow.db)")) -> None:
+def tracking_sync(uri: Optional[str] = typer.Option(None, "--uri", help="Tracking URI of the runs' store (default: "
+                                                    "MLFLOW_TRACKING_URI, else mlflow/mlflow.db)")) -> None:
     """Send every pending outage spool (mlflow/spool/, or $TLT_MLFLOW_SPOOL_DIR) to the store, oldest call
     first; print what was sent and what remains; exit 3 while calls remain."""
     from tlt.tracking.sync import format_results, sync_all
 
+    if uri:  # the flag wins over the environment (elsewhere MLFLOW_TRACKING_URI wins over the config)
+        os.environ["MLFLOW_TRACKING_URI"] = uri
     results = sync_all(uri)
     out.print(format_results(results), markup=False, highlight=False)
     if any(r.left for r in results):
