@@ -115,3 +115,13 @@ def test_sync_command_and_the_quiet_sync_of_tlt_run(mlflow_uri, tmp_path, monkey
     capsys.readouterr()
     cli._sync_quietly(mlflow_uri)
     assert capsys.readouterr().err == ""
+
+
+def test_a_tracker_does_not_export_its_uri(tmp_path, monkeypatch):
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI, which would win over every URI configured
+    later in the process (the next test's store): the tracker keeps the environment as it was."""
+    import os
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    MlflowTracker("errors", uri=f"sqlite:///{tmp_path / 'a.db'}", spool_dir=tmp_path / "spool").end()
+    assert "MLFLOW_TRACKING_URI" not in os.environ

@@ -26,6 +26,18 @@ def default_artifact_location(experiment: str) -> str | None:
     return (DEFAULT_DIR.resolve() / "artifacts" / experiment).as_uri()
 
 
+def keep_env_uri(set_uri) -> None:
+    """Call `mlflow.set_tracking_uri` (passed in: this module stays mlflow-free) without its side
+    effect of exporting MLFLOW_TRACKING_URI, which would then win over every URI configured later
+    in this process (a second tracker, a test after the one that tracked to a server)."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    set_uri()
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 def default_spool_dir(configured: str | Path | None = None) -> Path:
     """Where unsent calls wait during an outage: the argument, else $TLT_MLFLOW_SPOOL_DIR, else mlflow/spool/."""
     return Path(configured or os.environ.get("TLT_MLFLOW_SPOOL_DIR") or DEFAULT_DIR / "spool").resolve()

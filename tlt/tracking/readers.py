@@ -9,7 +9,7 @@ import mlflow
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from tlt.tracking.base import default_tracking_uri
+from tlt.tracking.base import default_tracking_uri, keep_env_uri
 
 
 def _client(uri: str | None) -> MlflowClient:
@@ -83,5 +83,5 @@ def find_run(tag: str, value: str, experiment: str, uri: str | None = None) -> s
 
 def download(source: str, dst: str | Path, uri: str | None = None) -> Path:
     """Copy a registered model version's artifacts (its `source` URI) to a local folder."""
-    mlflow.set_tracking_uri(default_tracking_uri(uri))
+    keep_env_uri(lambda: mlflow.set_tracking_uri(default_tracking_uri(uri)))
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst)))

@@ -16,7 +16,8 @@ from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
 
 from tlt.spool import Spool
-from tlt.tracking.base import NullTracker, default_artifact_location, default_spool_dir, default_tracking_uri, unsent_message
+from tlt.tracking.base import (NullTracker, default_artifact_location, default_spool_dir, default_tracking_uri,
+                               keep_env_uri, unsent_message)
 from tlt.tracking.registry import register_version
 from tlt.tracking.sender import SpoolSender, log
 from tlt.tracking.transient import is_transient
@@ -31,7 +32,7 @@ def open_client(uri: str | None) -> tuple[str, MlflowClient]:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    mlflow.set_tracking_uri(uri)
+    keep_env_uri(lambda: mlflow.set_tracking_uri(uri))  # the default of MLflow's own clients (system metrics)
     return uri, MlflowClient(uri)
 
 
