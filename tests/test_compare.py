@@ -113,3 +113,16 @@ def test_unknown_or_empty_experiment_is_a_user_error(store):
         compare.experiment_run_ids("nope")
     with pytest.raises(UserError, match="run ids"):
         compare.compare_command([])
+
+
+def test_warns_when_a_run_has_unsent_calls(store, tmp_path, monkeypatch):
+    """A run whose end fell in an MLflow outage: its numbers are partial until `tlt tracking sync`."""
+    from tlt.spool import Spool
+
+    monkeypatch.setenv("TLT_MLFLOW_SPOOL_DIR", str(tmp_path / "spool"))
+    assert "warning" not in compare.compare_command([store["on"], store["off"]])
+    Spool(tmp_path / "spool", store["off"]).append("terminate", {"status": "FINISHED"})
+    text = compare.compare_command([store["on"], store["off"]])
+    warnings = [ln for ln in text.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and store["off"] in warnings[0] and "tlt tracking sync" in warnings[0]
+    assert str(tmp_path / "spool" / f"{store['off']}.jsonl") in warnings[0]

@@ -126,3 +126,58 @@ def test_outage_spools_and_flushes_in_order(server, tmp_path):
     again.end()
     assert sorted(m.step for m in client.get_metric_history(other.run_id, KEYS[0])) == [1, 2, 3]
     assert client.get_run(other.run_id).info.status == "FINISHED"
+
+
+def test_outage_over_the_end_of_a_run(server, tmp_path, prefect_api):
+    """`tlt run conf/smoke.yaml` against a real server stopped after RL step 1 and still down when the
+    run ends: `end()` retries for `tracking.flush_timeout_s`, then the run exits 3 naming the spool
+    and `tlt tracking sync`; with the server back, `tlt tracking sync` sends every call in order and
+    the run is FINISHED with all its metrics and its drafter registration."""
+    from cli_runs import ROOT, TLT, cli_env, kill_group, prefect_api_url, run_tlt
+    from mlflow.tracking import MlflowClient
+
+    port, procs, restart = server
+    uri = f"http://127.0.0.1:{port}"
+    env = cli_env(tmp_path, prefect_api_url(), MLFLOW_TRACKING_URI=uri)
+    args = ["run", "conf/smoke.yaml", "--set", "tracking.flush_timeout_s=3", "--set", "drafter.spot=false",
+            "--set", "rollout.tuner=false", "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}"]
+    proc = subprocess.Popen([TLT, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:  # stop the server once RL step 1 (task rl-step-0) is logged
+            lines.append(line)
+            if "rl-step-0" in line and "Finished in state" in line:
+                _stop(procs[0])
+                break
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=600)
+    finally:
+        kill_group(proc.pid)
+        proc.wait()
+    out = "".join(lines)
+    (tmp_path / "run.log").write_text(out)
+    assert proc.returncode == 3, out[-3000:]
+    assert "held-out accuracy" in out and "tlt tracking sync" in out, out[-3000:]
+    spools = list((tmp_path / "spool").glob("*.jsonl"))
+    assert len(spools) == 1 and str(spools[0]) in out.replace("\n", "")
+    run_id = spools[0].stem
+
+    restart()
+    client = MlflowClient(uri)
+    assert client.get_run(run_id).info.status == "RUNNING"  # the end fell in the outage
+    assert sorted(m.step for m in client.get_metric_history(run_id, "reward/mean")) == [1]
+    sync = run_tlt(["tracking", "sync", "--uri", uri], env, timeout=120)
+    assert sync.returncode == 0, sync.stdout
+    assert f"run {run_id}: sent" in sync.stdout and "0 left" in sync.stdout and "every spooled call is sent" in sync.stdout
+    assert not spools[0].exists()
+
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    for key in ("reward/mean", "policy/loss", "timing_s/step"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2], key
+    assert sorted(m.step for m in client.get_metric_history(run_id, "eval/accuracy")) == [0, 1, 2]
+    versions = client.search_model_versions("name='tlt-drafter'")
+    assert [v.run_id for v in versions] == [run_id]  # the registration spooled at the end, sent by sync
+    again = run_tlt(["tracking", "sync", "--uri", uri], env, timeout=120)
+    assert again.returncode == 0 and "nothing to send" in again.stdout

@@ -22,10 +22,12 @@ config_app = typer.Typer(no_args_is_help=True, help="Check and show run configs.
 data_app = typer.Typer(no_args_is_help=True, help="Validate datasets.")
 drafter_app = typer.Typer(no_args_is_help=True, help="Drafter warm-start.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured in one run).")
+tracking_app = typer.Typer(no_args_is_help=True, help="The MLflow store: send what an outage left unsent.")
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(drafter_app, name="drafter")
 app.add_typer(bench_app, name="bench")
+app.add_typer(tracking_app, name="tracking")
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
 
@@ -131,6 +133,7 @@ def run(config: Path, set_: Optional[list[str]] = SetOpt,
     train = importlib.import_module("flows.train")
     _no_user_error_tracebacks()
     _terminate_cleanly()
+    _sync_quietly(cfg.tracking.tracking_uri)
     result = train.tlt_train(config=cfg, resume=resume)
     ev, ex = result["eval"], result.get("export")
     line = f"held-out accuracy {ev['accuracy']:.3f} at step {ev['step']} ({ev['n']} prompts)"
@@ -140,6 +143,42 @@ def run(config: Path, set_: Optional[list[str]] = SetOpt,
         line += f"; drafter exported to {ex['path']}" + (f" (tlt-drafter version {ex['version']})" if ex.get("version") else "")
     out.print(line, markup=False, highlight=False)
     out.print(f"done: MLflow run {result['run_id']}  (make ui, then open the experiment '{cfg.tracking.experiment}')")
+    _exit_if_unsent(result["run_id"], cfg.tracking.tracking_uri)
+
+
+UNSENT_EXIT = 3  # the run finished, but MLflow does not hold all of it yet (see `tlt tracking sync`)
+
+
+def _sync_quietly(uri: str | None) -> None:
+    """Send what earlier runs' outages left in the spool; one line only when there was something."""
+    from tlt.tracking.sync import format_results, sync_all
+
+    results = sync_all(uri)
+    if results:
+        err.print(format_results(results), markup=False, highlight=False)
+
+
+def _exit_if_unsent(run_id: str, uri: str | None) -> None:
+    from tlt.tracking.sync import unsent_warning
+
+    if msg := unsent_warning(run_id, uri):
+        err.print(f"warning: {msg}", markup=False, highlight=False)
+        raise typer.Exit(UNSENT_EXIT)
+
+
+@tracking_app.command("sync")
+def tracking_sync(uri: Optional[str] = typer.Option(None, "--uri", help="Tracking URI of the runs' store (default: "
+                                                    "MLFLOW_TRACKING_URI, else mlflow/mlflow.db)")) -> None:
+    """Send every pending outage spool (mlflow/spool/, or $TLT_MLFLOW_SPOOL_DIR) to the store, oldest call
+    first; print what was sent and what remains; exit 3 while calls remain."""
+    from tlt.tracking.sync import format_results, sync_all
+
+    if uri:  # the flag wins over the environment (elsewhere MLFLOW_TRACKING_URI wins over the config)
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+    results = sync_all(uri)
+    out.print(format_results(results), markup=False, highlight=False)
+    if any(r.left for r in results):
+        raise typer.Exit(UNSENT_EXIT)
 
 
 class _UserErrorFilter(logging.Filter):
@@ -211,8 +250,10 @@ def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id 
     t0 = time.perf_counter()
     root = "runs"
     if run:
-        from tlt.tracking import read_run
+        from tlt.tracking import read_run, unsent_warning
 
+        if msg := unsent_warning(run):
+            err.print(f"warning: {msg}", markup=False, highlight=False)
         root = read_run(run)["params"].get("trainer.checkpoint_dir", root)
     ckpt = resolve_checkpoint(run, checkpoint, root)
     path, cfg = export_checkpoint(ckpt, out_dir, force=force)

@@ -147,6 +147,9 @@ def compare_command(run_ids: list[str], experiment: str | None = None, out: Path
     ids = list(run_ids) + (experiment_run_ids(experiment, uri, max_runs) if experiment else [])
     ids = resolve_run_ids(ids, uri)
     text = format_table(compare_runs(ids, uri))
+    for rid in ids:  # a run whose end fell in an outage: its numbers here are partial
+        if msg := tracking.unsent_warning(rid, uri):
+            text += f"\nwarning: {msg}"
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -218,6 +218,9 @@ class TrackingConfig(Stage):
     tracking_uri: str | None = Field(None, description="MLflow URI; MLFLOW_TRACKING_URI wins; default sqlite under mlflow/")
     system_metrics: bool = Field(True, description="Log CPU/memory system metrics")
     samples_every: int = Field(1, ge=0, description="Log a table of rollout samples every k steps (0 = never)")
+    flush_timeout_s: float = Field(60.0, ge=0, le=3600, description="At the end of a run, retry sending what an MLflow "
+                                   "outage left in the spool for up to this long (backoff 1-15 s); then exit 3 and "
+                                   "leave it to `tlt tracking sync`")
 
 
 class ExportConfig(Stage):
