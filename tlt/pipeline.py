@@ -326,7 +326,7 @@ class Pipeline:
         export_eagle3(self.drafter, self.model.config, out, force=e.out_dir is None)
         self.tracker.log_artifacts(out, "drafter")
         version = None
-        if e.register_model and hasattr(self.tracker, "register"):
+        if e.register_model:
             tags = {"target": self.cfg.model.name_or_path, "accept_len": f"{accept_len:.3f}",
                     "accept_len_sampled": f"{sampled:.3f}", "accept_strategy": self.cfg.drafter.eval_strategy.name,
                     "format": "eagle3",

@@ -59,6 +59,10 @@ class NullTracker:
     def log_dataset(self, df: Any, name: str, digest: str, source: str, context: str = "train",
                     tags: dict[str, str] | None = None) -> None: ...
 
+    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
+        """No registry: no version."""
+        return None
+
     def end(self, status: str = "FINISHED") -> bool:
         """True: nothing is left unsent."""
         return True
