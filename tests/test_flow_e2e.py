@@ -56,6 +56,11 @@ def test_every_stage_tracked(runs):
     assert spot[1] == 0 and spot[2] > 0
     assert metric_history(rid, "warmstart/accept_len_after", uri)
     assert "plots" in run["artifacts"] and "drafter" in run["artifacts"]
+    # the validated prompt tables and the drafter corpus are the run's dataset inputs
+    assert {k: v["context"] for k, v in run["datasets"].items()} == {
+        "train-prompts": "train", "heldout-prompts": "eval", "drafter-corpus": "train"}
+    plain = read_run(runs["results"][1]["run_id"], uri)["datasets"]
+    assert plain["train-prompts"]["digest"] == run["datasets"]["train-prompts"]["digest"]  # same data, same digest
     # the rollout table of each step is a validated RolloutSchema frame
     table = json.loads(download(f"runs:/{rid}/rollouts/step_0001.json", runs["tmp"] / "dl", uri).read_text())
     assert table["columns"] == list(RolloutSchema.to_schema().columns)

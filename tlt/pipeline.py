@@ -36,6 +36,7 @@ from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.tuner import StrategyTuner
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.rollout.workers import WorkerPool
+from tlt.schemas import frame_digest
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import NullTracker
 from tlt.warmstart import accept_report, fingerprint
@@ -106,6 +107,10 @@ class Pipeline:
         check_reward_fn(self.cfg, ds.train.head(4))
         check_export_dir(self.cfg)
         n_dropped = len(ds.dropped) if ds.dropped is not None else 0
+        for frame, name, path, context in ((ds.train, "train-prompts", train_path, "train"),
+                                           (ds.heldout, "heldout-prompts", heldout_path, "eval")):
+            self.tracker.log_dataset(frame, name=name, digest=frame_digest(frame), source=str(path), context=context,
+                                     tags={"rows": len(frame), "source": self.cfg.data.path or "reasoning-gym"})
         if n_dropped:
             self.tracker.log_text(ds.report.format(), "data/dropped_rows.txt")
         tasks = ds.train["task"].value_counts().to_dict()

@@ -15,6 +15,7 @@ it first and reports a wrong type instead of a silently stringified value.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import math
 import numbers
@@ -156,6 +157,14 @@ def rollout_table(step: int, prompts: pd.DataFrame, group_index: list[int], resp
                        "response": list(responses), "reward": [float(r) for r in rewards],
                        "length": [int(n) for n in lengths]})
     return RolloutSchema.validate(df, lazy=True)
+
+
+def frame_digest(df: pd.DataFrame) -> str:
+    """A content hash of a table (values and column names, not the index): the digest under which
+    a validated dataset is logged, equal for equal tables."""
+    h = hashlib.sha256(",".join(map(str, df.columns)).encode())
+    h.update(pd.util.hash_pandas_object(df, index=False).values.tobytes())
+    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------- failures -> BadRows

@@ -17,12 +17,17 @@ def _client(uri: str | None) -> MlflowClient:
 
 
 def read_run(run_id: str, uri: str | None = None) -> dict[str, Any]:
-    """Params, latest metrics, tags and artifact paths of a run (for compare and tests)."""
+    """Params, latest metrics, tags, artifact paths and dataset inputs ({name: {digest, context}})
+    of a run (for compare and tests)."""
     client = _client(uri)
     run = client.get_run(run_id)
+    inputs = run.inputs.dataset_inputs if run.inputs else []
+    datasets = {d.dataset.name: {"digest": d.dataset.digest,
+                                 "context": next((t.value for t in d.tags if t.key == "mlflow.data.context"), None)}
+                for d in inputs}
     return {"params": run.data.params, "metrics": run.data.metrics, "tags": run.data.tags,
             "status": run.info.status, "name": run.info.run_name,
-            "artifacts": [f.path for f in client.list_artifacts(run_id)]}
+            "artifacts": [f.path for f in client.list_artifacts(run_id)], "datasets": datasets}
 
 
 def metric_history(run_id: str, key: str, uri: str | None = None) -> list[tuple[int, float]]:
