@@ -105,6 +105,17 @@ def propose_eagle(engine, st: DecodeState, strategy: SpecStrategy, temperature: 
     return grow_tree(dr, st, h[:, -1], logits[:, -1], strategy, min_logp), None
 
 
+def _draft_token(logits: torch.Tensor, temperature: float, gen
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One draft per row: the argmax (greedy) or a draw from q = softmax(logits / T); returns the
+    tokens, the drafter's log-probs and q (None when greedy)."""
+    lp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
+    if temperature <= 0:
+        return lp.argmax(-1), lp, None
+    q = lp.exp()
+    return draw(q, gen), lp, q
+
+
 def grow_chain(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, depth: int, temperature: float,
                gen, min_logp: float = -math.inf, calibrator=None, stop_below: float = 0.0
                ) -> tuple[DraftTree, torch.Tensor | None]:
@@ -125,13 +136,9 @@ def grow_chain(dr, st: DecodeState, h_last: torch.Tensor, logits: torch.Tensor, 
     past, kmask = st.dpast, st.dvalid
     ones = torch.ones(bsz, 1, dtype=torch.bool, device=logits.device)
     for level in range(depth):
-        lp = torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
-        if temperature > 0:
-            q = lp.exp()
-            t = draw(q, gen)
+        t, lp, q = _draft_token(logits, temperature, gen)
+        if q is not None:
             qs.append(q)
-        else:
-            t = lp.argmax(-1)
         toks.append(t)
         logq.append(lp.gather(1, t[:, None]).squeeze(1))
         conf.append(logq[-1].exp())

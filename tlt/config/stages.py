@@ -1,4 +1,4 @@
-"""Run configuration: one pydantic model per stage under `RunConfig`.
+"""Run configuration models: one pydantic model per stage under `RunConfig`.
 
 Defaults live here and only here. Every model forbids unknown keys, so a typo in a
 YAML recipe or a `--set` override fails with the dotted key and the nearest valid name.
@@ -6,14 +6,9 @@ YAML recipe or a `--set` override fails with the dotted key and the nearest vali
 """
 from __future__ import annotations
 
-import difflib
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from tlt.errors import UserError
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Stage(BaseModel):
@@ -271,135 +266,3 @@ class RunConfig(Stage):
         if self.trainer.zero_stage and self.trainer.backend != "deepspeed":
             raise ValueError("trainer.zero_stage needs trainer.backend: deepspeed; set it or drop zero_stage")
         return self
-
-
-class ConfigError(UserError):
-    """A config problem, already phrased for the user (dotted key + fix)."""
-
-
-def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    keys = []
-    for name, field in model.model_fields.items():
-        dotted = f"{prefix}{name}"
-        keys.append(dotted)
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            keys += _all_keys(ann, dotted + ".")
-    return keys
-
-
-# Keys that older recipes (and run folders' config.yaml) may still hold: why they went, what to do.
-_REMOVED = {"drafter.variant": "the drafter is always EAGLE-3 (EAGLE-1 was never implemented); delete the key"}
-
-
-def _explain(err: ValidationError) -> str:
-    valid = _all_keys(RunConfig)
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden" and key in _REMOVED:
-            lines.append(f"key '{key}' was removed: {_REMOVED[key]}")
-        elif e["type"] == "extra_forbidden":
-            near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-            hint = f"did you mean '{near[0]}'?" if near else "remove it (see the config reference in README)"
-            lines.append(f"unknown key '{key}': {hint}")
-        else:
-            lines.append(f"invalid value for '{key}': {e['msg']} (got {e.get('input')!r}); fix the value")
-    return "\n".join(lines)
-
-
-def _parse_scalar(text: str) -> Any:
-    """A YAML scalar/list when it parses (3, false, [1,2]), else the raw text (e.g. a cron '*/5 * * * *')."""
-    try:
-        return yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError:
-        return text
-
-
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `a.b.c=value` strings (values parsed as YAML) to a nested dict."""
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' is not KEY=VALUE; write e.g. --set rl.steps=3")
-        key, value = item.split("=", 1)
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override '{key}': '{part}' is not a section")
-        node[parts[-1]] = _parse_scalar(value)
-    return data
-
-
-def build_config(data: dict | None = None, overrides: list[str] | None = None) -> RunConfig:
-    data = apply_overrides(dict(data or {}), overrides or [])
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_explain(err)) from None
-
-
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML recipe (or the defaults when path is None) and apply dotted overrides."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' not found; pass a YAML recipe such as conf/default.yaml")
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping of sections (model:, data:, ...)")
-    return build_config(data, overrides)
-
-
-def dump_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-
-
-def flatten(cfg: RunConfig) -> dict[str, str]:
-    """Dotted key -> string value, for MLflow params."""
-    out: dict[str, str] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        else:
-            out[prefix[:-1]] = str(node)
-
-    walk(cfg.model_dump(mode="json"), "")
-    return out
-
-
-def _type_name(ann: Any) -> str:
-    if getattr(ann, "__origin__", None) is Literal:
-        return " / ".join(repr(a) for a in ann.__args__)
-    return getattr(ann, "__name__", str(ann)).replace("typing.", "")
-
-
-def reference_markdown() -> str:
-    """The config reference table for the README (kept in sync by a test)."""
-    rows = ["| key | type | default | description |", "|---|---|---|---|"]
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-                continue
-            default = field.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):
-                default = default.model_dump()
-            if isinstance(default, list):
-                default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
-            tname = _type_name(ann).replace("|", "\\|")
-            desc = (field.description or "").replace("|", "\\|")
-            shown = repr(default).replace("|", "\\|")
-            rows.append(f"| `{prefix}{name}` | {tname} | `{shown}` | {desc} |")
-
-    walk(RunConfig, "")
-    return "\n".join(rows)
