@@ -262,9 +262,8 @@ def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id 
         from tlt.tracking import make_tracker
 
         tracker = make_tracker(cfg.tracking.model_copy(update={"system_metrics": False}), run_id=run)
-        tracker.log_artifacts(path, "drafter_export")
-        version = tracker.register(cfg.export.model_name, "drafter_export",
-                                   tags={"target": cfg.model.name_or_path, "checkpoint": str(ckpt), "format": "eagle3"})
+        version = tracker.log_model(path, "drafter_export", register_as=cfg.export.model_name,
+                                    tags={"target": cfg.model.name_or_path, "checkpoint": str(ckpt), "format": "eagle3"})
         tracker.end()
         out.print(f"registered {cfg.export.model_name} version {version}")
     out.print(f"serve it: vllm serve <target> --speculative-config "

@@ -59,7 +59,8 @@ class NullTracker:
     def log_dataset(self, df: Any, name: str, digest: str, source: str, context: str = "train",
                     tags: dict[str, str] | None = None) -> None: ...
 
-    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
+    def log_model(self, local_dir: str | Path, name: str, register_as: str | None = None,
+                  tags: dict[str, str] | None = None, step: int = 0) -> str | None:
         """No registry: no version."""
         return None
 

@@ -17,17 +17,23 @@ def _client(uri: str | None) -> MlflowClient:
 
 
 def read_run(run_id: str, uri: str | None = None) -> dict[str, Any]:
-    """Params, latest metrics, tags, artifact paths and dataset inputs ({name: {digest, context}})
-    of a run (for compare and tests)."""
+    """Params, latest metrics, tags, artifact paths, dataset inputs ({name: {digest, context}}) and
+    logged models ({name: {model_id, step, status, source_run_id, tags}}) of a run (for compare and tests)."""
     client = _client(uri)
     run = client.get_run(run_id)
     inputs = run.inputs.dataset_inputs if run.inputs else []
     datasets = {d.dataset.name: {"digest": d.dataset.digest,
                                  "context": next((t.value for t in d.tags if t.key == "mlflow.data.context"), None)}
                 for d in inputs}
+    outputs = run.outputs.model_outputs if run.outputs else []
+    models = {}
+    for out in outputs:
+        lm = client.get_logged_model(out.model_id)
+        models[lm.name] = {"model_id": lm.model_id, "step": out.step, "status": str(lm.status),
+                           "source_run_id": lm.source_run_id, "tags": lm.tags}
     return {"params": run.data.params, "metrics": run.data.metrics, "tags": run.data.tags,
             "status": run.info.status, "name": run.info.run_name,
-            "artifacts": [f.path for f in client.list_artifacts(run_id)], "datasets": datasets}
+            "artifacts": [f.path for f in client.list_artifacts(run_id)], "datasets": datasets, "models": models}
 
 
 def metric_history(run_id: str, key: str, uri: str | None = None) -> list[tuple[int, float]]:
