@@ -17,12 +17,12 @@ _WHERE = {
     "base": ["DEFAULT_DIR", "NullTracker", "default_artifact_location", "default_spool_dir", "default_tracking_uri",
              "unsent_message"],
     "readers": ["download", "find_run", "list_experiments", "match_run_ids", "metric_histories", "metric_history",
-                "read_run", "search_runs"],
+                "read_run", "run_link", "search_runs"],
     "registry": ["champion", "register_version", "set_champion"],
     "sender": ["OFFLINE_RETRY_S", "SpoolSender"],
-    "sync": ["pending", "sync_all", "unsent", "unsent_warning"],
+    "sync": ["format_results", "pending", "sync_all", "unsent", "unsent_warning"],
     "transient": ["is_transient"],
-    "writer": ["MlflowTracker", "make_tracker"],
+    "writer": ["MlflowTracker", "make_tracker", "open_experiment"],
 }
 _MODULE_OF = {name: mod for mod, names in _WHERE.items() for name in names}
 __all__ = sorted(_MODULE_OF)
