@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"(with children {r['peak_rss_tree_mib']} MiB); RSS step 10 -> {max(r['rss_per_step_mib'], default='-')}: "
           f"{r['rss_step10_mib']} -> {r['rss_last_mib']} MiB ({r['rss_growth_10_to_last_mib']:+} MiB, "
           f"tree {r['rss_tree_growth_10_to_last_mib']:+} MiB); drafter buffer {r['buffer_tokens']} tokens; "
-          f"leaked processes {r['leaked_pids'] or 'none'}; leaked listening ports {r['leaked_listening_ports'] or 'none'}")
+          f"leaked processes {r['leaked_pids'] or 'none'}; "
+          f"leaked listening ports {r['leaked_listening_ports'] or 'none'}")
     if rc != 0:
         print("".join(watch.tail), file=sys.stderr)
     if args.json_out:

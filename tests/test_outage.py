@@ -93,7 +93,7 @@ def test_outage_spools_and_flushes_in_order(server, tmp_path):
     (export / "model.safetensors").write_bytes(b"weights")
     assert tracker.log_model(export, "drafter", register_as="outage-model", tags={"k": "v"}) is None  # spooled
     assert slowest < 10, f"a log call blocked {slowest:.1f} s during the outage"
-    assert len(tracker.spool.read_text().splitlines()) == 13  # 10 metric batches, tags, text, registration
+    assert len(tracker.spool.read_text().splitlines()) == 13  # 10 metric batches, tags, text, model
     _log_step(other, 2)
     other.end("FAILED")  # neither raises nor loses the status: it stays in the spool
     assert other.spool.exists()

@@ -3,8 +3,9 @@
 Everything logs through a tracker: `MlflowTracker` (writer.py; sending and the outage spool in
 sender.py) talks to one run through an explicit `MlflowClient` and run id; `NullTracker`
 (base.py, no MLflow) is for library code and tests that don't track. readers.py is the read side
-(`tlt compare`, `tlt export --run`), registry.py the model registry and its `champion` alias,
-sync.py `tlt tracking sync`, transient.py the line between an outage (spool) and a bug (raise).
+(`tlt compare`, `tlt export --run`), registry.py the logged model, the model registry and its
+`champion` alias, sync.py `tlt tracking sync`, transient.py the line between an outage (spool)
+and a bug (raise).
 
 Names are loaded on first use (PEP 562), so `from tlt.tracking import NullTracker` does not
 import mlflow (~1.5 s) in library code and tests that never track.
@@ -18,7 +19,7 @@ _WHERE = {
              "unsent_message"],
     "readers": ["download", "find_run", "list_experiments", "match_run_ids", "metric_histories", "metric_history",
                 "read_run", "run_link", "search_runs"],
-    "registry": ["champion", "register_version", "set_champion"],
+    "registry": ["champion", "log_model", "register_version", "set_champion"],
     "sender": ["OFFLINE_RETRY_S", "SpoolSender"],
     "sync": ["format_results", "pending", "sync_all", "unsent", "unsent_warning"],
     "transient": ["is_transient"],

@@ -73,6 +73,6 @@ def unsent_message(run_id: str, uri: str, spool: Path, n: int) -> str:
     """What a user reads when calls of a run are still in the spool (the end of a run, compare, export)."""
     default = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DIR.resolve() / 'mlflow.db'}"
     command = "tlt tracking sync" + ("" if uri == default else f" --uri {uri}")
-    return (f"MLflow run {run_id}: {n} call(s) (metrics, artifacts, registrations, the final status) could not be "
+    return (f"MLflow run {run_id}: {n} call(s) (metrics, artifacts, the drafter model, the final status) could not be "
             f"sent to {uri} and wait in {spool}; until they are sent the run shows as RUNNING with partial data. "
             f"Once the store is reachable, send them with `{command}`.")

@@ -55,7 +55,7 @@ class MlflowTracker(SpoolSender, NullTracker):
     """One MLflow run. Pass `run_id` to continue an existing run (resume).
 
     Outages: when the store cannot be reached (a connection error, a timeout, a 5xx answer; any
-    other error raises), metric batches, params, tags, artifacts, registrations and the final
+    other error raises), metric batches, params, tags, artifacts, logged models and the final
     status are appended in order to a JSONL spool (`<spool_dir>/<run_id>.jsonl`, default
     mlflow/spool/ or $TLT_MLFLOW_SPOOL_DIR; artifacts are copied next to it) and sent, oldest
     first, by the next call that reaches the store, by `end()` (which retries for up to
