@@ -1,14 +1,14 @@
-"""What a user of MLflow's UI and registry sees of a run (a real sqlite store): the experiment
-opens in the model-training view, and an exported folder is the run's logged model, registered
-as a version whose artifacts are that folder."""
+"""What a user of MLflow's UI and registry sees of a run (a real sqlite store): a model-training
+experiment, a link to the run in the UI's training view, and an exported folder as the run's
+logged model, registered as a version whose artifacts are that folder."""
 from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from tlt.tracking import MlflowTracker, champion, download, read_run, set_champion
+from tlt.tracking import MlflowTracker, champion, download, read_run, run_link, set_champion
 
 
-def test_experiment_opens_in_the_training_view(mlflow_uri, tmp_path):
+def test_experiment_is_tagged_as_model_training(mlflow_uri, tmp_path):
     client = MlflowClient(mlflow_uri)
     MlflowTracker("fresh", uri=mlflow_uri, spool_dir=tmp_path / "spool").end()
     assert client.get_experiment_by_name("fresh").tags["mlflow.experimentKind"] == "custom_model_development"
@@ -19,6 +19,16 @@ def test_experiment_opens_in_the_training_view(mlflow_uri, tmp_path):
     MlflowTracker("chosen", uri=mlflow_uri, spool_dir=tmp_path / "spool").end()
     assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
     assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_run_link_opens_the_training_view(mlflow_uri, tmp_path):
+    """MLflow 3.17's UI ignores the kind tag and opens the GenAI view unless the URL asks: the link
+    `tlt run` prints asks. A local store is served by `tlt ui` (port 5000)."""
+    tracker = MlflowTracker("linked", uri=mlflow_uri, spool_dir=tmp_path / "spool")
+    tracker.end()
+    exp_id = MlflowClient(mlflow_uri).get_run(tracker.run_id).info.experiment_id
+    assert run_link(tracker.run_id, mlflow_uri) == (
+        f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{tracker.run_id}?workflowType=machine_learning")
 
 
 def test_exported_folder_is_the_runs_registered_logged_model(mlflow_uri, tmp_path):

@@ -39,9 +39,9 @@ def open_client(uri: str | None) -> tuple[str, MlflowClient]:
 
 
 def open_experiment(client: MlflowClient, name: str) -> str:
-    """The id of experiment `name`, created if needed, tagged as a model-training experiment so that
-    MLflow's UI opens it in its training view (runs, charts, models), not the GenAI one; a kind
-    already chosen (e.g. in the UI) is kept."""
+    """The id of experiment `name`, created if needed, tagged as a model-training experiment (the
+    tag MLflow's UI sets when a user picks the kind; MLflow 3.17's UI itself picks its view from
+    its own switch or the URL, see `readers.run_link`); a kind already chosen is kept."""
     exp = client.get_experiment_by_name(name)
     if exp is None:
         return client.create_experiment(name, artifact_location=default_artifact_location(name),
