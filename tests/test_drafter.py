@@ -127,6 +127,24 @@ def test_gather_aux_uses_hf_ids(target, drafter):
     assert drafter.fuse(aux).shape == (1, 5, 128)
 
 
+
+@torch.no_grad()
+def test_init_from_target_is_the_last_layer(target):
+    """With the high aux at the last layer's input, the initialised drafter IS the target's last
+    layer + final norm + head: its logits equal the target's, whatever the input tokens."""
+    n = target.config.num_hidden_layers
+    d = build_drafter(target, DrafterConfig(draft_vocab_size=0, aux_layer_ids=[0, 1, n - 1],
+                                            init_from_target=True)).eval()
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(3))
+    out = target(ids, output_hidden_states=True)
+    aux = Eagle3Drafter.gather_aux(out.hidden_states, d.aux_layer_ids)
+    other = torch.randint(0, 512, ids.shape)  # the embedding half starts at zero: tokens do not matter
+    _, logits, _ = d(other, d.fuse(aux), torch.arange(9).expand(2, 9))
+    torch.testing.assert_close(logits, out.logits, atol=1e-4, rtol=1e-4)
+    _, random_init, _ = build_drafter(target, DrafterConfig(draft_vocab_size=0, aux_layer_ids=[0, 1, n - 1]))(
+        other, d.fuse(aux), torch.arange(9).expand(2, 9))
+    assert not torch.allclose(random_init, out.logits, atol=1e-2)
+
 # ---- training ---------------------------------------------------------------------------------
 from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, pack, ttt_mask  # noqa: E402
 

@@ -176,3 +176,31 @@ def test_vllm_full_vocab_drafter_loads(tmp_path):
     """
     target, drafter, prompts, result = _export_and_run("llama", tmp_path, draft_vocab=0, train_steps=0)
     _check(target, drafter, prompts, result, trained=False)
+
+
+def test_bench_vllm_accept_end_to_end(tmp_path):
+    """bench/vllm_accept.py: recipe's held-out prompts -> vLLM -> accept length and the greedy check.
+
+    An untrained drafter (loading and counting only; the SmolLM2 figures are in the README).
+    """
+    from bench_scripts import load_bench
+
+    from tlt.config import DrafterConfig
+    from tlt.drafter.model import build_drafter
+    from tlt.export import export_eagle3
+    from tlt.models import tiny_model, tiny_tokenizer
+
+    target = tiny_model("llama", layers=4, hidden=128, vocab=512, seed=0)
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    torch.manual_seed(0)
+    drafter = build_drafter(target, DrafterConfig(draft_vocab_size=256)).eval()
+    export_eagle3(drafter, target.config, tmp_path / "drafter")
+    out = load_bench("vllm_accept").main([str(ROOT / "conf" / "smoke.yaml"), "--drafter", str(tmp_path / "drafter"),
+                                          "--set", f"model.name_or_path={tmp_path / 'target'}",
+                                          "--json", str(tmp_path / "out.json"), "--vllm-python", str(VLLM_PY)])
+    assert json.loads((tmp_path / "out.json").read_text()) == out
+    assert out["greedy_identical"] and out["prompts"] == 4 and out["num_drafts"] > 0
+    assert 1.0 <= out["accept_len"] <= 1 + K
+    assert out["accepted_tokens"] == round(sum(out["accept_rate_per_pos"]) * out["num_drafts"])
+    assert 0 < out["response_tokens"] <= 4 * MAX_TOKENS

@@ -11,7 +11,8 @@ Two engines, one after the other (memory: each holds its own KV cache):
   1. the target with the drafter (`method: eagle3`, k draft tokens), greedy, `max_tokens`;
   2. the target alone, greedy, `max_tokens + k` tokens: vLLM counts drafts accepted past
      max_tokens, so a predictor that replays the counters needs the k tokens beyond the end.
-Both run fp32 (bf16 and fp32 greedy outputs differ on random weights) with ignore_eos.
+Both run fp32 (bf16 and fp32 greedy outputs differ on random weights) with ignore_eos, or with
+`--stop-at-eos` stop at EOS as in serving (bench/vllm_accept.py).
 Output JSON: {"spec": [[ids]], "baseline": [[ids]], "metrics": {name: int | [int]},
 "timing_s": {...}, "versions": {...}}; metrics are vLLM's `vllm:spec_decode_*` counters.
 """
@@ -38,6 +39,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=512, help="small: the KV cache is sized for it")
     ap.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache memory per engine (CPU RAM)")
     ap.add_argument("--out", default="-", help="result JSON path ('-' = stdout)")
+    ap.add_argument("--stop-at-eos", action="store_true", help="stop each request at EOS, as in serving "
+                    "(default: fixed length, ignore_eos)")
     return ap.parse_args(argv)
 
 
@@ -52,11 +55,12 @@ def make_llm(args: argparse.Namespace, n_prompts: int, speculative: bool):
                kv_cache_memory_bytes=args.kv_cache_mib * 2**20)
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy, fixed length (ignore_eos), no detokenization (tiny vocabularies exceed the tokenizer)."""
+def generate(llm, prompts: list[list[int]], max_tokens: int, stop_at_eos: bool = False) -> list[list[int]]:
+    """Greedy, fixed length (ignore_eos) unless stop_at_eos, no detokenization (tiny vocabularies
+    exceed the tokenizer)."""
     from vllm import SamplingParams, TokensPrompt  # deferred: vllm, as above
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not stop_at_eos, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = make_llm(args, len(prompts), speculative=True)
     timing["start_spec_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    spec = generate(llm, prompts, args.max_tokens)
+    spec = generate(llm, prompts, args.max_tokens, args.stop_at_eos)
     timing["generate_spec_s"] = time.perf_counter() - t0
     metrics = spec_metrics(llm)
     # One engine at a time: shut the first down before the second allocates its cache.
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = make_llm(args, len(prompts), speculative=False)
     timing["start_baseline_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    baseline = generate(llm, prompts, args.max_tokens + args.k)
+    baseline = generate(llm, prompts, args.max_tokens + args.k, args.stop_at_eos)
     timing["generate_baseline_s"] = time.perf_counter() - t0
     del llm
     gc.collect()

@@ -25,7 +25,7 @@ from tlt.summaries import WarmstartSummary
 
 
 # The inputs a warm-start reads: runs that differ only elsewhere (spot, refresh, SD) share a cache entry.
-_DRAFTER_KEYS = {"draft_vocab_size", "aux_layer_ids", "lr", "weight_decay", "grad_clip",
+_DRAFTER_KEYS = {"draft_vocab_size", "aux_layer_ids", "init_from_target", "lr", "weight_decay", "grad_clip",
                  "loss_feature_weight", "loss_token_weight", "ttt_steps", "ttt_decay", "feature_target",
                  "train_on_prompt", "prompt_loss_weight", "warmstart_epochs", "warmup_ratio", "min_lr_ratio",
                  "batch_tokens", "warmstart_eval_prompts", "eval_max_new_tokens", "eval_strategy"}

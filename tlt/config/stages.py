@@ -80,6 +80,8 @@ class SpecStrategy(Stage):
 class DrafterConfig(Stage):
     draft_vocab_size: int = Field(2048, ge=0, description="Reduced draft vocabulary; 0 = the target's full vocabulary")
     aux_layer_ids: list[int] | None = Field(None, description="Target hidden_states ids (low, mid, high); default 2, N//2, N-3")
+    init_from_target: bool = Field(False, description="Start the drafter's decoder layer from the target's "
+                                   "last layer (fc passes the high aux feature through) instead of at random")
     lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate of the warm-start")
     refresh_lr: float | None = Field(None, gt=0, description="Constant LR of online refreshes (default: where the "
                                      "warm-start's cosine ends, lr * min_lr_ratio)")

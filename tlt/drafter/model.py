@@ -287,5 +287,33 @@ def build_drafter(target_model, cfg) -> Eagle3Drafter:
         final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         if final_norm is not None and getattr(final_norm, "weight", None) is not None:
             drafter.norm.weight.copy_(final_norm.weight.detach().float())
+    if cfg.init_from_target:
+        init_from_last_layer(drafter, target_model)
     # fp32 master weights whatever the target dtype; forward casts its inputs to match.
     return drafter.to(device=embed.device)
+
+
+@torch.no_grad()
+def init_from_last_layer(drafter: Eagle3Drafter, target_model) -> None:
+    """Start the midlayer as the target's last decoder layer applied to the high aux feature.
+
+    fc passes the last aux feature (layer N-3) through unchanged; attention reads the hidden half
+    of its 2H input with the layer's q/k/v (the embedding half starts at zero); o_proj, the MLP and
+    the norms are copied. With the final norm and LM head this already predicts the next token,
+    which training then refines (same shapes, so the export format is unchanged). Biases (Qwen2)
+    have no slot in the drafter and are left out.
+    """
+    layer = target_model.model.layers[-1]
+    H, mid = drafter.hidden_size, drafter.midlayer
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, 2 * H:] = torch.eye(H)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        dst, src = getattr(mid.self_attn, name).weight, getattr(layer.self_attn, name).weight
+        dst.zero_()
+        dst[:, H:] = src.float()
+    mid.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight.float())
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(mid.mlp, name).weight.copy_(getattr(layer.mlp, name).weight.float())
+    mid.input_layernorm.weight.copy_(layer.input_layernorm.weight.float())
+    mid.hidden_norm.weight.copy_(layer.input_layernorm.weight.float())
+    mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight.float())
