@@ -1,0 +1,48 @@
+"""Scale-out on Ray (`cluster.backend: ray`): the only package that imports `ray` (an optional
+extra: `pip install '.[ray]'`).
+
+`RayRun.start` places the run (placement.py), starts the rollout actors (rollout_actor.py) and,
+with `trainer.world_size` > 1, the DeepSpeed trainer ranks (trainer_ranks.py). The pipeline uses
+`engine` as its RL rollout engine and `updater` as its policy updater; the drafter (refresher or
+spot trainer), evaluation, checkpoints and tracking stay in the driver process.
+"""
+from __future__ import annotations
+
+from tlt.cluster.placement import RayPlacement
+from tlt.cluster.rollout_actor import RayRolloutPool, RolloutActor
+from tlt.cluster.trainer_ranks import RayDeepSpeedUpdater, TrainerRank
+from tlt.config import RunConfig
+from tlt.rl.update import make_updater
+
+
+class RayRun:
+    """A run's placement group, rollout pool and (world size > 1) trainer ranks; `close()` ends all."""
+
+    def __init__(self, placement: RayPlacement, engine: RayRolloutPool, updater):
+        self.placement, self.engine, self.updater = placement, engine, updater
+
+    @classmethod
+    def start(cls, cfg: RunConfig, model, drafter, eos_ids: list[int], pad_id: int) -> "RayRun":
+        placement = RayPlacement.start(cfg.cluster, cfg.trainer.world_size)
+        try:
+            engine = RayRolloutPool(placement, model, cfg.rollout, eos_ids, pad_id, drafter=drafter, seed=cfg.rl.seed)
+        except BaseException:
+            placement.close()
+            raise
+        updater = (RayDeepSpeedUpdater(placement, model, cfg.rl, cfg.trainer) if cfg.trainer.world_size > 1
+                   else make_updater(model, cfg))  # world size 1: the update stays in the driver
+        return cls(placement, engine, updater)
+
+    def params(self) -> dict[str, str]:
+        return {**self.placement.params(), "placement.start_s": f"{self.placement.start_s:.1f}"}
+
+    def close(self) -> None:
+        try:
+            if isinstance(self.updater, RayDeepSpeedUpdater):
+                self.updater.close()
+            self.engine.close()
+        finally:
+            self.placement.close()
+
+
+__all__ = ["RayDeepSpeedUpdater", "RayPlacement", "RayRolloutPool", "RayRun", "RolloutActor", "TrainerRank"]
