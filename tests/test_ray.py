@@ -126,7 +126,10 @@ def test_zero2_world_size_2_equals_world_size_1_on_the_combined_batch(placement,
         assert diff <= 1e-6 and moved >= rl.lr  # the driver's model holds rank 0's updated weights
         state = dist.state_dict()
         assert state["world_size"] == 2 and len(state["ranks"]) == 2  # ZeRO partitions: one state per rank
-        dist.load_state_dict(state)
+        dist.load_state_dict(state)  # a resume: the next step continues as if never interrupted
+        batch = _policy_batch(one)
+        ref.step(batch), dist.step(batch)
+        assert max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), two.parameters())) <= 1e-6
         with pytest.raises(ValueError, match="world_size=2"):
             RayDeepSpeedUpdater(placement, two, rl, trainer.model_copy(update={"world_size": 3})).load_state_dict(state)
     finally:

@@ -8,6 +8,8 @@ spot trainer), evaluation, checkpoints and tracking stay in the driver process.
 """
 from __future__ import annotations
 
+import time
+
 from tlt.cluster.placement import RayPlacement
 from tlt.cluster.rollout_actor import RayRolloutPool, RolloutActor
 from tlt.cluster.trainer_ranks import RayDeepSpeedUpdater, TrainerRank
@@ -18,11 +20,13 @@ from tlt.rl.update import make_updater
 class RayRun:
     """A run's placement group, rollout pool and (world size > 1) trainer ranks; `close()` ends all."""
 
-    def __init__(self, placement: RayPlacement, engine: RayRolloutPool, updater):
-        self.placement, self.engine, self.updater = placement, engine, updater
+    def __init__(self, placement: RayPlacement, engine: RayRolloutPool, updater, start_s: float):
+        self.placement, self.engine, self.updater, self.start_s = placement, engine, updater, start_s
 
     @classmethod
     def start(cls, cfg: RunConfig, model, drafter, eos_ids: list[int], pad_id: int) -> "RayRun":
+        """Ray up, bundles placed, rollout actors started with the current weights (version 0)."""
+        t0 = time.perf_counter()
         placement = RayPlacement.start(cfg.cluster, cfg.trainer.world_size)
         try:
             engine = RayRolloutPool(placement, model, cfg.rollout, eos_ids, pad_id, drafter=drafter, seed=cfg.rl.seed)
@@ -31,10 +35,12 @@ class RayRun:
             raise
         updater = (RayDeepSpeedUpdater(placement, model, cfg.rl, cfg.trainer) if cfg.trainer.world_size > 1
                    else make_updater(model, cfg))  # world size 1: the update stays in the driver
-        return cls(placement, engine, updater)
+        return cls(placement, engine, updater, time.perf_counter() - t0)
 
     def params(self) -> dict[str, str]:
-        return {**self.placement.params(), "placement.start_s": f"{self.placement.start_s:.1f}"}
+        """Placement (MLflow params) and the fixed start-up: Ray + bundles, then + the rollout actors."""
+        return {**self.placement.params(), "placement.ray_start_s": f"{self.placement.start_s:.1f}",
+                "placement.start_s": f"{self.start_s:.1f}"}
 
     def close(self) -> None:
         try:

@@ -51,10 +51,11 @@ class TrainerRank:
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if self.rank == 0 else None
         return metrics, forwards, weights  # clones: not views of DeepSpeed's flat buffers
 
-    def load(self, weights: dict, optim_state: dict) -> None:
+    def load(self, weights: dict, optim_states: list[dict]) -> None:
+        """Resume: the driver's weights, and every rank's optimizer state (each rank takes its own)."""
         with torch.no_grad():
             self.model.load_state_dict(weights, strict=True)
-        self.updater.load_state_dict(optim_state)
+        self.updater.load_state_dict(optim_states)
 
     def state_dict(self) -> dict:
         return self.updater.state_dict()
@@ -120,7 +121,8 @@ class RayDeepSpeedUpdater:
             raise ValueError(f"the checkpoint's optimizer state is from trainer.world_size={state.get('world_size')}"
                              f" (ZeRO partitions it per rank); resume with that world size, not {self.world_size}")
         weights = ray.put(self.model.state_dict())
-        ray.get([r.load.remote(weights, s) for r, s in zip(self._ensure_ranks(), state["ranks"])])
+        states = ray.put(state["ranks"])
+        ray.get([r.load.remote(weights, states) for r in self._ensure_ranks()])
 
     def close(self) -> None:
         if self.ranks:

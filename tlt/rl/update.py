@@ -265,14 +265,16 @@ class DeepSpeedUpdater:
         """Optimizer state, reduced to what `torch.load(weights_only=True)` accepts."""
         return _plain(self._ensure_engine().optimizer.state_dict())
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """`state`: this rank's `state_dict()`, or (data parallel, tlt.cluster) every rank's, in rank order."""
         engine = self._ensure_engine()
+        states = state if isinstance(state, list) else [state]
         if self.trainer.zero_stage == 0:
-            engine.optimizer.load_state_dict(state)
+            engine.optimizer.load_state_dict(states[int(os.environ.get("RANK", "0"))])
         else:
             # fp32 master weights are refreshed from the model's parameters: loading optimizer
-            # state never changes the weights (same as TorchUpdater).
-            engine.optimizer.load_state_dict([state], load_optimizer_states=True, load_from_fp32_weights=False)
+            # state never changes the weights (same as TorchUpdater). ZeRO picks its rank's entry.
+            engine.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=False)
 
     def close(self) -> None:
         """Release the engine and the process group it created (idempotent)."""
