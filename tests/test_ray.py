@@ -92,6 +92,23 @@ def test_an_actor_killed_mid_rollout_is_restarted_and_its_shard_rerun(setup, pla
         pool.close()
 
 
+@pytest.mark.parametrize("cls, like", [(RayRolloutPool, None), (RayDeepSpeedUpdater, DeepSpeedUpdater)])
+def test_same_interfaces_as_the_local_classes(cls, like):
+    """The pool is an `Engine` (as WorkerPool); the ranks' updater has DeepSpeedUpdater's methods."""
+    import inspect
+
+    from test_protocols import test_class_has_every_protocol_member
+
+    from tlt.rl.step import Engine
+
+    if like is None:
+        test_class_has_every_protocol_member(cls, Engine)
+        return
+    for name in ("step", "state_dict", "load_state_dict", "close"):
+        want = [p for p in inspect.signature(getattr(like, name)).parameters if p not in ("self", "denom")]
+        assert all(p in inspect.signature(getattr(cls, name)).parameters for p in want), name
+
+
 def _policy_batch(model) -> PolicyBatch:
     prompts = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
     responses = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30]]

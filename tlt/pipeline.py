@@ -281,13 +281,14 @@ class Pipeline:
 
     def _rollout_engine(self):
         """The RL steps' rollout engine: this process's engine, `rollout.workers` worker processes, or
-        (cluster.backend: ray) rollout actors in the run's placement group, placement logged as params."""
+        (cluster.backend: ray) rollout actors in the run's placement group, placement logged to MLflow."""
         r = self.cfg.rollout
         if self.cfg.cluster.backend == "ray":
             from tlt.cluster import RayRun  # deferred: ray is an optional extra ('.[ray]'), imported only there
 
             self.pool = RayRun.start(self.cfg, self.model, self.drafter, self.eos_ids, self.tokenizer.pad_token_id)
             self.tracker.log_params(self.pool.params())
+            self.tracker.log_metrics(self.pool.metrics(), step=0)
             return self.pool.engine
         if r.workers <= 1:
             return self.engine

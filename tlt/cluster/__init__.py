@@ -38,9 +38,13 @@ class RayRun:
         return cls(placement, engine, updater, time.perf_counter() - t0)
 
     def params(self) -> dict[str, str]:
-        """Placement (MLflow params) and the fixed start-up: Ray + bundles, then + the rollout actors."""
-        return {**self.placement.params(), "placement.ray_start_s": f"{self.placement.start_s:.1f}",
-                "placement.start_s": f"{self.start_s:.1f}"}
+        """Placement as MLflow params: actors, world size, bundles, strategy, Ray address and version."""
+        return self.placement.params()
+
+    def metrics(self) -> dict[str, float]:
+        """The fixed start-up (Ray + bundles placed; + rollout actors up with version 0) and nodes used."""
+        return {"cluster/ray_start_s": self.placement.start_s, "cluster/start_s": self.start_s,
+                "cluster/nodes": float(self.placement.nodes())}
 
     def close(self) -> None:
         try:

@@ -74,12 +74,17 @@ class RayPlacement:
         return self.cfg.rollout_actors + rank
 
     def params(self) -> dict[str, str]:
-        """Placement as MLflow params (the run's config already holds cluster.*)."""
-        nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        """Placement as MLflow params (the run's config already holds cluster.*); only values a
+        resumed run repeats (MLflow params are immutable): node counts and timings are metrics."""
         return {"placement.rollout_actors": str(self.cfg.rollout_actors), "placement.world_size": str(self.world_size),
                 "placement.bundles": str(bundles(self.cfg, self.world_size)),
-                "placement.strategy": self.cfg.placement_strategy, "placement.nodes": str(len(nodes)),
+                "placement.strategy": self.cfg.placement_strategy,
                 "placement.ray_address": self.cfg.address or "local", "placement.ray_version": ray.__version__}
+
+    def nodes(self) -> int:
+        """Ray nodes the run's bundles landed on."""
+        table = ray.util.placement_group_table(self.pg)
+        return len(set(table.get("bundles_to_node_id", {}).values())) or 1
 
     def close(self) -> None:
         if not ray.is_initialized():
