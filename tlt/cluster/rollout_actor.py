@@ -34,16 +34,18 @@ _RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back
 class RolloutActor:
     """One engine in its own Ray worker process; weights arrive with `load(version, weights)`."""
 
-    def __init__(self, rank: int, model_cls, model_config, rollout_json: str, eos_ids: list[int], pad_id: int,
-                 threads: int, tuner_seed: int | None, drafter_args: tuple | None):
+    def __init__(self, rank: int, model_cls, model_config, dtype: torch.dtype, rollout_json: str, eos_ids: list[int],
+                 pad_id: int, threads: int, tuner_seed: int | None, drafter_args: tuple | None):
         torch.set_num_threads(threads)
         cfg = RolloutConfig.model_validate_json(rollout_json)
         self.rank, self.version = rank, -1  # -1: random init, no policy loaded yet
-        self.model = model_cls(model_config).eval()
+        device = "cuda" if ray.get_gpu_ids() else "cpu"  # Ray shows a GPU actor its device(s) only
+        self.model = model_cls(model_config).to(device=device, dtype=dtype).eval()
         self.drafter = None
         if drafter_args is not None:
             vd, aux_ids = drafter_args
-            self.drafter = Eagle3Drafter(model_config, self.model.get_input_embeddings().weight, vd, aux_ids).eval()
+            self.drafter = Eagle3Drafter(model_config, self.model.get_input_embeddings().weight, vd, aux_ids)
+            self.drafter = self.drafter.to(device).eval()
         tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
         self.engine = RolloutEngine(self.model, cfg, eos_ids, pad_id, drafter=self.drafter, tuner=tuner)
 
@@ -89,7 +91,7 @@ class RayRolloutPool:
             num_cpus=c.rollout_actor_cpus, num_gpus=c.rollout_actor_gpus, max_restarts=c.max_restarts,
             max_task_retries=0, scheduling_strategy=placement.strategy(rank), name=None,
             runtime_env={"env_vars": env} if env else None).remote(
-                rank, type(model), model.config, cfg.model_dump_json(), list(eos_ids), pad_id,
+                rank, type(model), model.config, next(model.parameters()).dtype, cfg.model_dump_json(), list(eos_ids), pad_id,
                 max(1, int(c.rollout_actor_cpus)), (seed * 1000 + rank) if cfg.tuner else None, dargs)
             for rank in range(self.n)]
         self._push()

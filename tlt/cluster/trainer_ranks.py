@@ -17,6 +17,7 @@ import torch
 
 from tlt.cluster.placement import RayPlacement
 from tlt.config import RLConfig, TrainerConfig
+from tlt.rl.logprobs import ForwardOut
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch
 from tlt.rollout.workers import shard_sizes
 from tlt.services import free_port
@@ -46,10 +47,15 @@ class TrainerRank:
 
     def step(self, batch: PolicyBatch, aux_layer_ids, want_forwards: bool, denom: float):
         forwards = []
-        on_forward = (lambda start, mb, out: forwards.append((start, mb, out))) if want_forwards else None
+
+        def on_forward(start: int, mb: PolicyBatch, out: ForwardOut) -> None:  # back to the driver, on its CPU
+            forwards.append((start, mb, ForwardOut(*(None if t is None else t.cpu() for t in (
+                out.logp, out.entropy, out.aux, out.last_hidden)))))
+
+        on_forward = on_forward if want_forwards else None
         metrics = self.updater.step(batch, aux_layer_ids=aux_layer_ids, on_forward=on_forward, denom=denom)
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if self.rank == 0 else None
-        return metrics, forwards, weights  # clones: not views of DeepSpeed's flat buffers
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()} if self.rank == 0 else None
+        return metrics, forwards, weights  # copies on the CPU: not views of DeepSpeed's flat buffers
 
     def load(self, weights: dict, optim_states: list[dict]) -> None:
         """Resume: the driver's weights, and every rank's optimizer state (each rank takes its own)."""
