@@ -1,8 +1,11 @@
 """Scale-out on Ray (`make test-ray`): rollout actors in a placement group, DeepSpeed ZeRO ranks as
 actors, a dead actor survived, and the smoke recipe end to end on a local Ray instance (2 CPUs)."""
+import inspect
 import os
+import signal
 
 import pytest
+import test_protocols
 import torch
 
 ray = pytest.importorskip("ray")
@@ -12,6 +15,7 @@ from tlt.config import ClusterConfig, DrafterConfig, RLConfig, RolloutConfig, Sp
 from tlt.drafter.model import build_drafter  # noqa: E402
 from tlt.models import tiny_model  # noqa: E402
 from tlt.rl.logprobs import forward_logprobs, make_batch  # noqa: E402
+from tlt.rl.step import Engine  # noqa: E402
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch  # noqa: E402
 from tlt.rollout import RolloutEngine  # noqa: E402
 
@@ -72,8 +76,6 @@ def test_an_actor_killed_mid_rollout_is_restarted_and_its_shard_rerun(setup, pla
     """TLT_FAULT=rollout_actor:1 SIGKILLs actor 1 as its first shard starts (a lost node, an OOM
     kill): Ray restarts it, the pool loads the current version into it and re-runs the shard; the
     outputs equal an undisturbed rollout's. An actor killed between rollouts is caught too."""
-    import signal
-
     model, drafter, local, old_pool = setup
     old_pool.close()  # free the rollout bundles for a pool whose actors carry the fault
     monkeypatch.setenv("TLT_FAULT", "rollout_actor:1")
@@ -95,14 +97,8 @@ def test_an_actor_killed_mid_rollout_is_restarted_and_its_shard_rerun(setup, pla
 @pytest.mark.parametrize("cls, like", [(RayRolloutPool, None), (RayDeepSpeedUpdater, DeepSpeedUpdater)])
 def test_same_interfaces_as_the_local_classes(cls, like):
     """The pool is an `Engine` (as WorkerPool); the ranks' updater has DeepSpeedUpdater's methods."""
-    import inspect
-
-    from test_protocols import test_class_has_every_protocol_member
-
-    from tlt.rl.step import Engine
-
     if like is None:
-        test_class_has_every_protocol_member(cls, Engine)
+        test_protocols.test_class_has_every_protocol_member(cls, Engine)
         return
     for name in ("step", "state_dict", "load_state_dict", "close"):
         want = [p for p in inspect.signature(getattr(like, name)).parameters if p not in ("self", "denom")]
