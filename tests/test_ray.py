@@ -148,3 +148,30 @@ def test_zero2_world_size_2_equals_world_size_1_on_the_combined_batch(placement,
     finally:
         ref.close()
         dist.close()
+
+
+def test_uneven_rows_are_padded_and_the_drafter_sees_every_real_row_once(placement, monkeypatch):
+    """5 rows over 2 ranks (one padding row with no response tokens): still world size 1's update,
+    and the update's forwards reach `on_forward` for rows 0..4 exactly, with world size 1's features."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(placement.pg.id.hex()))
+    rl = RLConfig(lr=5e-5)
+    trainer = TrainerConfig(backend="deepspeed", zero_stage=2, micro_batch_size=1, world_size=2)
+    one, two = tiny_model(layers=2, hidden=128, vocab=64, seed=1), tiny_model(layers=2, hidden=128, vocab=64, seed=1)
+    full = _policy_batch(one)
+    batch = PolicyBatch(*(None if t is None else torch.cat([t, t[:1]]) for t in (
+        getattr(full, f) for f in PolicyBatch.__dataclass_fields__)))  # 5 rows
+    seen: dict[int, list] = {1: [], 2: []}
+    ref = DeepSpeedUpdater(one, rl, trainer.model_copy(update={"world_size": 1}))
+    dist = RayDeepSpeedUpdater(placement, two, rl, trainer)
+    try:
+        for ws, upd in ((1, ref), (2, dist)):
+            m = upd.step(batch, aux_layer_ids=[0, 1], on_forward=lambda s, mb, out, ws=ws: seen[ws].append((s, out.aux)))
+            assert m["policy/entropy"] > 0
+        assert [s for s, _ in seen[2]] == [s for s, _ in seen[1]] == [0, 1, 2, 3, 4]
+        for (_, a), (_, b) in zip(seen[1], seen[2]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        # summation-order gap through Adam (see above): measured 2.1 % of lr with this seed
+        assert max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), two.parameters())) <= 0.05 * rl.lr
+    finally:
+        ref.close()
+        dist.close()

@@ -50,9 +50,11 @@ class RayRun:
         try:
             if isinstance(self.updater, RayDeepSpeedUpdater):
                 self.updater.close()
-            self.engine.close()
         finally:
-            self.placement.close()
+            try:
+                self.engine.close()
+            finally:
+                self.placement.close()
 
 
 __all__ = ["RayDeepSpeedUpdater", "RayPlacement", "RayRolloutPool", "RayRun", "RolloutActor", "TrainerRank"]

@@ -1,7 +1,8 @@
 """The policy update as `trainer.world_size` DeepSpeed ZeRO ranks, one Ray actor each (one process
 group over gloo on CPU, NCCL on GPUs), with the same interface as `tlt.rl.update.DeepSpeedUpdater`.
 
-Data parallel: the step's rows are split into contiguous shards, one per rank. Every rank scales
+Data parallel: the step's rows are split into equal contiguous shards, one per rank (padded with
+rows that carry no response tokens, so every rank runs the same micro-batches). Every rank scales
 its loss by the *whole* batch's response-token count over the world size; DeepSpeed averages
 gradients over the ranks, so the summed gradient equals world size 1's on the combined batch.
 After the step rank 0's weights come back once and are copied into the driver's model (which
@@ -19,7 +20,6 @@ from tlt.cluster.placement import RayPlacement
 from tlt.config import RLConfig, TrainerConfig
 from tlt.rl.logprobs import ForwardOut
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch
-from tlt.rollout.workers import shard_sizes
 from tlt.services import free_port
 
 _NOT_ADDITIVE = ("policy/grad_norm", "policy/lr")  # global values, equal on every rank
@@ -70,6 +70,21 @@ class TrainerRank:
         self.updater.close()
 
 
+def _pad_rows(batch: PolicyBatch, rows: int) -> PolicyBatch:
+    """`batch` grown to `rows` rows with copies of its first row whose response mask is all False:
+    they add nothing to the loss, the gradients or the (token-summed) statistics."""
+    extra = rows - len(batch)
+    if extra <= 0:
+        return batch
+
+    def grow(t: torch.Tensor | None, field: str) -> torch.Tensor | None:
+        if t is None:
+            return None
+        fill = torch.zeros_like(t[:1]) if field in ("response_mask", "advantages") else t[:1]
+        return torch.cat([t, fill.expand(extra, *t.shape[1:])])
+    return PolicyBatch(*(grow(getattr(batch, f), f) for f in PolicyBatch.__dataclass_fields__))
+
+
 class RayDeepSpeedUpdater:
     """`trainer.world_size` TrainerRank actors on the placement group's trainer bundles, started
     at the first `step` / `load_state_dict` (so resumed weights are in the model by then)."""
@@ -95,24 +110,21 @@ class RayDeepSpeedUpdater:
 
     def step(self, batch: PolicyBatch, aux_layer_ids: list[int] | None = None, on_forward=None) -> dict[str, float]:
         """One data-parallel optimizer step on the whole batch; same metrics as world size 1."""
-        if len(batch) < self.world_size:
-            raise ValueError(f"{len(batch)} rows to update cannot be split over trainer.world_size="
-                             f"{self.world_size} ranks; lower the world size or raise rollout.prompts_per_step")
         ranks = self._ensure_ranks()
+        n, per = len(batch), -(-len(batch) // self.world_size)
+        padded = _pad_rows(batch, per * self.world_size)  # equal shards: every rank runs the same collectives
         denom = float(batch.response_mask.sum().clamp(min=1)) / self.world_size
-        starts, start = [], 0
-        for size in shard_sizes(len(batch), self.world_size):
-            starts.append(start)
-            start += size
-        bounds = starts + [len(batch)]
-        results = ray.get([r.step.remote(batch.slice(bounds[i], bounds[i + 1]), aux_layer_ids,
-                                         on_forward is not None, denom) for i, r in enumerate(ranks)])
+        results = ray.get([r.step.remote(padded.slice(i * per, (i + 1) * per), aux_layer_ids, on_forward is not None,
+                                         denom) for i, r in enumerate(ranks)])
         with torch.no_grad():
             self.model.load_state_dict(results[0][2], strict=True)  # copy_: the pool sees a new version
         if on_forward is not None:
-            for offset, (_, forwards, _) in zip(starts, results):
+            for i, (_, forwards, _) in enumerate(results):
                 for s, mb, out in forwards:
-                    on_forward(offset + s, mb, out)
+                    keep = min(len(mb), n - (i * per + s))  # padding rows never reach the drafter buffer
+                    if keep > 0:
+                        on_forward(i * per + s, mb.slice(0, keep), ForwardOut(*(
+                            None if t is None else t[:keep] for t in (out.logp, out.entropy, out.aux, out.last_hidden))))
         out = dict(results[0][0])
         for key in out:
             if key not in _NOT_ADDITIVE:
@@ -131,8 +143,10 @@ class RayDeepSpeedUpdater:
         ray.get([r.load.remote(weights, states) for r in self._ensure_ranks()])
 
     def close(self) -> None:
-        if self.ranks:
-            ray.get([r.close.remote() for r in self.ranks], timeout=60)
-            for r in self.ranks:
+        ranks, self.ranks = self.ranks, []
+        try:
+            if ranks:
+                ray.get([r.close.remote() for r in ranks], timeout=60)
+        finally:
+            for r in ranks:
                 ray.kill(r, no_restart=True)
-        self.ranks = []
