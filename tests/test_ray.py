@@ -57,19 +57,39 @@ def test_actors_match_the_local_engine_and_report_the_new_version(setup):
     assert out.response_ids == ref.response_ids and out.prompt_ids == ref.prompt_ids
     assert out.group_index == ref.group_index == [i // 2 for i in range(12)]
     assert tails == [1] and out.stats.workers == 2 and out.stats.spec_steps > 0
-    assert pool.sync(model)["cluster/weights_pushed"] == 0.0  # nothing changed: no new version
+    m = pool.sync(model)  # after an update: a new version, always (ZeRO writes are invisible to counters)
+    assert m["cluster/weights_pushed"] == 1.0 and m["rollout/policy_version"] == 0 and pool.version == 1
     w = model.model.layers[1].mlp.down_proj.weight
     with torch.no_grad():
         saved = w.clone()
-        w.add_(torch.randn_like(w) * 0.5)  # an optimizer's in-place update
-    m = pool.sync(model)
-    assert m["cluster/weights_pushed"] == 1.0 and m["rollout/policy_version"] == 0 and pool.version == 1
+        w.add_(torch.randn_like(w) * 0.5)  # changed outside a step (a resume): found by its version counter
     after = pool.generate(PROMPTS, spec=False)
-    assert pool.rollout_version == 1 and pool.sync(model)["rollout/policy_version"] == 1.0
+    assert pool.version == 2 and pool.rollout_version == 2 and pool.sync(model)["rollout/policy_version"] == 2.0
     assert after.response_ids == local.generate(PROMPTS, spec=False).response_ids
     assert after.response_ids != ref.response_ids[::2]  # the new policy decodes differently
+    pool.generate(PROMPTS, spec=False)
+    assert pool.version == pool.rollout_version == 3  # nothing changed since the sync: no push
     with torch.no_grad():
         w.copy_(saved)
+
+
+def test_zero2_updates_in_the_driver_reach_the_actors(setup, monkeypatch, tmp_path):
+    """World size 1 keeps the update in the driver; ZeRO-2 writes the parameters through views that
+    torch's version counters miss, so `sync` pushes after every update, and the actors decode with it."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
+    model, _, local, pool = setup
+    updater = DeepSpeedUpdater(model, RLConfig(lr=1e-2), TrainerConfig(backend="deepspeed", zero_stage=2))
+    try:
+        for _ in range(2):
+            before = pool.version
+            updater.step(_policy_batch(model))
+            model.eval()
+            assert pool.sync(model)["cluster/weights_pushed"] == 1.0 and pool.version == before + 1
+            out = pool.generate(PROMPTS, spec=False)
+            assert pool.rollout_version == pool.version
+            assert out.response_ids == local.generate(PROMPTS, spec=False).response_ids
+    finally:
+        updater.close()
 
 
 def test_an_actor_killed_mid_rollout_is_restarted_and_its_shard_rerun(setup, placement, monkeypatch):

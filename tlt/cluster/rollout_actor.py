@@ -1,8 +1,9 @@
 """Rollout engines as Ray actors: `RayRolloutPool` shards GRPO groups over `cluster.rollout_actors`
 actors, each a long-lived `RolloutEngine` (its KV cache, weights and tuner stay across steps).
 
-Weights travel through the object store: when the policy (or drafter) changed since the last push,
-its state is `ray.put` once for the new version and every actor loads that one object. Each
+Weights travel through the object store: after every RL step's update (`sync`), and before a
+rollout when a version counter shows the policy or drafter changed since (a resumed checkpoint),
+their state is `ray.put` once for the new version and every actor loads that one object. Each
 shard's result carries the version its actor decoded with; a mismatch is an error, so a rollout
 never mixes policies. A dead actor (killed, OOM, node lost) is restarted by Ray (`max_restarts`);
 the pool reloads the current version into it and re-runs that shard, so the step completes with
@@ -99,10 +100,11 @@ class RayRolloutPool:
     def _modules(self) -> list:
         return [self._model] + ([self._drafter] if self._drafter is not None else [])
 
-    def _push(self) -> bool:
-        """Put the weights in the object store once per version and load them on every actor."""
+    def _push(self, force: bool = False) -> bool:
+        """Put the weights in the object store once per version and load them on every actor;
+        unless `force`d, only when a version counter or storage moved since the last push."""
         sig = _signature(self._modules())
-        if sig == self._sig:
+        if sig == self._sig and not force:
             return False
         self.version += 1
         weights = {"policy": self._model.state_dict()}
@@ -117,9 +119,11 @@ class RayRolloutPool:
         return True
 
     def sync(self, model=None) -> dict[str, float]:
-        """After an update: push the new version (`model` is ignored: the pool pushes the model it
-        was built on). Returns the version this step's rollout decoded with and the one pushed."""
-        pushed = self._push()
+        """After an RL step's update: push a new version, always (ZeRO 1/2 write the parameters
+        through `.data` views, which torch's version counters do not see). `model` is ignored: the
+        pool pushes the model it was built on. Returns the version this step's rollout decoded
+        with and the one pushed."""
+        pushed = self._push(force=True)
         return {"rollout/policy_version": float(self.rollout_version), "cluster/weights_version": float(self.version),
                 "cluster/weights_pushed": float(pushed), "cluster/actor_restarts": float(self.restarts)}
 
