@@ -335,7 +335,7 @@ def log_to_mlflow(tracker, res: dict) -> None:
     tracker.log_dict(res, "adaptive/result.json")
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("--json", dest="json_out")
@@ -353,7 +353,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-dir", default=None, help="run folder (default: a temporary folder, removed)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is "
                     "faster than 2 on a 2-core box that other jobs share)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

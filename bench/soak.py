@@ -21,6 +21,8 @@ from pathlib import Path
 
 import psutil
 
+from tlt.tracking import metric_history
+
 ROOT = Path(__file__).resolve().parents[1]
 STEP_DONE = re.compile(r"Task run 'rl-step-(\d+)' - Finished")
 
@@ -53,13 +55,89 @@ def listening(pids: set[int]) -> set[tuple[int, int]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict:
+class Watch:
+    """Samples RSS of a process tree (between step ends too: peaks happen inside a step), the pids
+    it ever had and the ports they listened on, while its output is read line by line."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.ps = proc, psutil.Process(proc.pid)
+        self.per_step: dict[int, tuple[int, int]] = {}
+        self.peak, self.seen_pids, self.ports = [0, 0], {proc.pid}, set()
+        self.tail: list[str] = []
+        self.run_id: str | None = None
+        self._done = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            own, total = tree_rss(self.ps)
+            self.peak = [max(self.peak[0], own), max(self.peak[1], total)]
+            try:
+                self.seen_pids.update(c.pid for c in self.ps.children(recursive=True))
+            except psutil.Error:
+                pass
+            self.ports.update(listening(self.seen_pids))
+            time.sleep(0.5)
+
+    def run(self) -> tuple[int, float]:
+        """Read the output to its end; (exit code, wall seconds)."""
+        sampler = threading.Thread(target=self._sample, daemon=True)
+        sampler.start()
+        t0 = time.time()
+        for line in self.proc.stdout:
+            self.tail = (self.tail + [line])[-40:]
+            if m := STEP_DONE.search(line):
+                self.per_step[int(m.group(1)) + 1] = tree_rss(self.ps)
+            if line.startswith("done: MLflow run"):
+                self.run_id = line.split()[3]
+        rc = self.proc.wait()
+        self._done.set()
+        sampler.join()
+        return rc, time.time() - t0
+
+    def leftovers(self) -> tuple[list[int], list[int]]:
+        """Pids of this run still alive, and its ports still listening."""
+        time.sleep(2)  # let exiting children go
+        alive = [p.pid for p in psutil.process_iter(["pid"]) if p.pid in self.seen_pids and p.is_running()
+                 and p.status() != psutil.STATUS_ZOMBIE]
+        listening_now = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        return alive, [port for _, port in self.ports if port in listening_now]
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="conf/smoke.yaml")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--json", dest="json_out")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _buffer_tokens(run_id: str | None, uri: str) -> float | None:
+    if not run_id:
+        return None
+    hist = metric_history(run_id, "drafter/buffer_tokens", uri)
+    return hist[-1][1] if hist else None
+
+
+def _result(w: Watch, rc: int, wall: float, buffer_tokens: float | None, tmp: Path) -> dict:
+    alive, still_listening = w.leftovers()
+    steps = sorted(w.per_step)
+    first = w.per_step.get(10) or (w.per_step[steps[0]] if steps else (0, 0))
+    last = w.per_step[steps[-1]] if steps else (0, 0)
+    mib = 1 / 2**20
+    return {"rc": rc, "steps_done": len(steps), "wall_s": round(wall, 1), "run_id": w.run_id,
+            "peak_rss_mib": round(w.peak[0] * mib, 1), "peak_rss_tree_mib": round(w.peak[1] * mib, 1),
+            "rss_step10_mib": round(first[0] * mib, 1), "rss_last_mib": round(last[0] * mib, 1),
+            "rss_growth_10_to_last_mib": round((last[0] - first[0]) * mib, 1),
+            "rss_tree_growth_10_to_last_mib": round((last[1] - first[1]) * mib, 1),
+            "rss_per_step_mib": {s: round(w.per_step[s][0] * mib, 1) for s in steps},
+            "buffer_tokens": buffer_tokens, "processes_seen": len(w.seen_pids),
+            "ports_seen": sorted(p for _, p in w.ports), "leaked_pids": alive,
+            "leaked_listening_ports": still_listening, "tmp": str(tmp)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="tlt-soak-"))
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlflow.db'}", "PREFECT_HOME": str(tmp / "prefect"),
            "TLT_MLFLOW_SPOOL_DIR": str(tmp / "spool"), "PYTHONUNBUFFERED": "1"}
@@ -68,73 +146,25 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = [str(Path(sys.executable).with_name("tlt")), "run", args.config, *sum((["--set", s] for s in sets), [])]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    ps = psutil.Process(proc.pid)
-    per_step: dict[int, tuple[int, int]] = {}
-    peak, seen_pids, ports, done = [0, 0], {proc.pid}, set(), threading.Event()
-
-    def sample() -> None:  # between step ends too: peaks happen inside a step
-        while not done.is_set():
-            own, total = tree_rss(ps)
-            peak[0], peak[1] = max(peak[0], own), max(peak[1], total)
-            try:
-                seen_pids.update(c.pid for c in ps.children(recursive=True))
-            except psutil.Error:
-                pass
-            ports.update(listening(seen_pids))
-            time.sleep(0.5)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    t0, tail, run_id = time.time(), [], None
-    for line in proc.stdout:
-        tail = (tail + [line])[-40:]
-        m = STEP_DONE.search(line)
-        if m:
-            per_step[int(m.group(1)) + 1] = tree_rss(ps)
-        if line.startswith("done: MLflow run"):
-            run_id = line.split()[3]
-    rc = proc.wait()
-    done.set()
-    sampler.join()
-    wall = time.time() - t0
-    time.sleep(2)  # let exiting children go
-    alive = [p.pid for p in psutil.process_iter(["pid"]) if p.pid in seen_pids and p.is_running()
-             and p.status() != psutil.STATUS_ZOMBIE]
-    still_listening = [port for _, port in ports if any(c.laddr.port == port and c.status == psutil.CONN_LISTEN
-                                                        for c in psutil.net_connections(kind="inet"))]
-    buffer_tokens = None
-    if run_id:
-        from tlt.tracking import metric_history
-
-        hist = metric_history(run_id, "drafter/buffer_tokens", env["MLFLOW_TRACKING_URI"])
-        buffer_tokens = hist[-1][1] if hist else None
-    steps = sorted(per_step)
-    first = per_step.get(10) or (per_step[steps[0]] if steps else (0, 0))
-    last = per_step[steps[-1]] if steps else (0, 0)
-    mib = 1 / 2**20
-    result = {"rc": rc, "steps_done": len(steps), "wall_s": round(wall, 1), "run_id": run_id,
-              "peak_rss_mib": round(peak[0] * mib, 1), "peak_rss_tree_mib": round(peak[1] * mib, 1),
-              "rss_step10_mib": round(first[0] * mib, 1), "rss_last_mib": round(last[0] * mib, 1),
-              "rss_growth_10_to_last_mib": round((last[0] - first[0]) * mib, 1),
-              "rss_tree_growth_10_to_last_mib": round((last[1] - first[1]) * mib, 1),
-              "rss_per_step_mib": {s: round(per_step[s][0] * mib, 1) for s in steps},
-              "buffer_tokens": buffer_tokens, "processes_seen": len(seen_pids), "ports_seen": sorted(p for _, p in ports),
-              "leaked_pids": alive, "leaked_listening_ports": still_listening, "tmp": str(tmp)}
-    print(f"steps {len(steps)}/{args.steps} in {wall:.0f} s (rc {rc}); peak RSS {result['peak_rss_mib']} MiB "
-          f"(with children {result['peak_rss_tree_mib']} MiB); RSS step 10 -> {steps[-1] if steps else '-'}: "
-          f"{result['rss_step10_mib']} -> {result['rss_last_mib']} MiB ({result['rss_growth_10_to_last_mib']:+} MiB, "
-          f"tree {result['rss_tree_growth_10_to_last_mib']:+} MiB); drafter buffer {buffer_tokens} tokens; "
-          f"leaked processes {alive or 'none'}; leaked listening ports {still_listening or 'none'}")
+    watch = Watch(proc)
+    rc, wall = watch.run()
+    r = _result(watch, rc, wall, _buffer_tokens(watch.run_id, env["MLFLOW_TRACKING_URI"]), tmp)
+    print(f"steps {r['steps_done']}/{args.steps} in {wall:.0f} s (rc {rc}); peak RSS {r['peak_rss_mib']} MiB "
+          f"(with children {r['peak_rss_tree_mib']} MiB); RSS step 10 -> {max(r['rss_per_step_mib'], default='-')}: "
+          f"{r['rss_step10_mib']} -> {r['rss_last_mib']} MiB ({r['rss_growth_10_to_last_mib']:+} MiB, "
+          f"tree {r['rss_tree_growth_10_to_last_mib']:+} MiB); drafter buffer {r['buffer_tokens']} tokens; "
+          f"leaked processes {r['leaked_pids'] or 'none'}; "
+          f"leaked listening ports {r['leaked_listening_ports'] or 'none'}")
     if rc != 0:
-        print("".join(tail), file=sys.stderr)
+        print("".join(watch.tail), file=sys.stderr)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=1))
+        Path(args.json_out).write_text(json.dumps(r, indent=1))
     try:  # whatever is left (it is reported above) must not outlive the bench
         os.killpg(proc.pid, 9)
     except ProcessLookupError:
         pass
-    return result
+    return r
 
 
 if __name__ == "__main__":

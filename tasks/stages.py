@@ -4,7 +4,9 @@ Models stay in the flow process (in the pipeline); tasks pass run ids and small 
 """
 from __future__ import annotations
 
-from prefect import task
+from pathlib import Path
+
+from prefect import get_client, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -12,6 +14,7 @@ from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
 from tlt.errors import UserError, exception_chain
+from tlt.export_run import export_checkpoint as export, resolve_checkpoint
 from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
@@ -128,8 +131,6 @@ def _final(exc: BaseException | None) -> bool:
 
 
 def _cancel_retries() -> None:
-    from prefect import get_client
-
     if flow_run.id is None:
         return
     try:
@@ -147,10 +148,6 @@ def load_checkpoint(run_id: str, checkpoint: str) -> int:
 
 @task(name="export-checkpoint", cache_policy=NO_CACHE, retries=1)
 def export_checkpoint(out: str, run_id: str | None, checkpoint: str | None, force: bool, checkpoint_root: str) -> dict:
-    from pathlib import Path
-
-    from tlt.export_run import export_checkpoint as export, resolve_checkpoint
-
     ckpt = resolve_checkpoint(run_id, checkpoint, checkpoint_root)
     path, _ = export(ckpt, Path(out), force=force)
     create_markdown_artifact(f"EAGLE-3 drafter of `{ckpt}` exported to `{path}`", key="export")

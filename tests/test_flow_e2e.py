@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tlt.config import load_config
 from tlt.schemas import RolloutSchema
@@ -55,7 +56,12 @@ def test_every_stage_tracked(runs):
     spot = dict(metric_history(rid, "drafter/spot_steps", uri))
     assert spot[1] == 0 and spot[2] > 0
     assert metric_history(rid, "warmstart/accept_len_after", uri)
-    assert "plots" in run["artifacts"] and "drafter" in run["artifacts"]
+    assert "plots" in run["artifacts"]
+    # the exported drafter is the run's logged model, and the registered version points at it
+    drafter = run["models"]["drafter"]
+    assert drafter["status"] == "READY" and drafter["step"] == cfg.rl.steps and drafter["tags"]["format"] == "eagle3"
+    version = MlflowClient(uri).get_model_version(cfg.export.model_name, result["export"]["version"])
+    assert version.source == f"models:/{drafter['model_id']}" and version.run_id == rid
     # the validated prompt tables and the drafter corpus are the run's dataset inputs
     assert {k: v["context"] for k, v in run["datasets"].items()} == {
         "train-prompts": "train", "heldout-prompts": "eval", "drafter-corpus": "train"}

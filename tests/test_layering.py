@@ -44,9 +44,25 @@ def test_no_init_in_mlflow_dir():
     assert not (ROOT / "mlflow" / "__init__.py").exists()
 
 
+SOURCES = ("tlt", "flows", "tasks", "bench")
+
+
+def _sources():
+    return [p for d in SOURCES for p in (ROOT / d).rglob("*.py")]
+
+
 def test_modules_stay_small():
-    big = [(p, n) for p in (ROOT / "tlt").rglob("*.py") if (n := len(p.read_text().splitlines())) > 450]
-    assert not big, f"split these by concern: {big}"
+    big = [(p, n) for p in _sources() if (n := len(p.read_text().splitlines())) > 400]
+    assert not big, f"split these by concern (400 lines at most): {big}"
+
+
+def test_functions_stay_short():
+    """A function reads on one screen: 50 lines at most (docstring and decorators' arguments included)."""
+    long = [(f"{p.relative_to(ROOT)}:{n.lineno} {n.name}", n.end_lineno - n.lineno + 1)
+            for p in _sources()
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.end_lineno - n.lineno + 1 > 50]
+    assert not long, f"split these: {long}"
 
 
 def _tlt_imports(path: Path) -> set[str]:
@@ -68,3 +84,15 @@ def test_drafter_does_not_reach_up_into_rollout():
     bad = {p.name: sorted(m for m in _tlt_imports(p) if m.startswith(up)) for p in (ROOT / "tlt/drafter").rglob("*.py")}
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"tlt/drafter must not import these: {bad}"
+
+
+def test_no_attribute_probes_on_engine_or_refresher():
+    """The engine and the refresher are typed Protocols (tlt/rl/step.py): code calls what they
+    declare instead of probing with hasattr/getattr."""
+    probes = []
+    for p in (ROOT / "tlt").rglob("*.py"):
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr") \
+                    and n.args and any(w in ast.unparse(n.args[0]) for w in ("engine", "refresher")):
+                probes.append(f"{p.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
+    assert not probes, probes

@@ -88,9 +88,12 @@ def test_outage_spools_and_flushes_in_order(server, tmp_path):
     slowest = max(_log_step(tracker, step) for step in range(6, 16))
     tracker.set_tags({"during": "outage"})
     tracker.log_text("written while the store was down", "notes/outage.txt")
-    assert tracker.register("outage-model", "notes", tags={"k": "v"}) is None  # spooled, version unknown yet
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"weights")
+    assert tracker.log_model(export, "drafter", register_as="outage-model", tags={"k": "v"}) is None  # spooled
     assert slowest < 10, f"a log call blocked {slowest:.1f} s during the outage"
-    assert len(tracker.spool.read_text().splitlines()) == 13  # 10 metric batches, tags, text, registration
+    assert len(tracker.spool.read_text().splitlines()) == 13  # 10 metric batches, tags, text, model
     _log_step(other, 2)
     other.end("FAILED")  # neither raises nor loses the status: it stays in the spool
     assert other.spool.exists()
@@ -109,6 +112,8 @@ def test_outage_spools_and_flushes_in_order(server, tmp_path):
     assert "notes" in [f.path for f in client.list_artifacts(tracker.run_id)]
     versions = client.search_model_versions("name='outage-model'")
     assert len(versions) == 1 and versions[0].run_id == tracker.run_id and versions[0].tags == {"k": "v"}
+    model = client.get_logged_model(versions[0].source.removeprefix("models:/"))  # the run's logged model
+    assert model.source_run_id == tracker.run_id and model.name == "drafter" and str(model.status) == "READY"
     for i, key in enumerate(KEYS):
         hist = client.get_metric_history(tracker.run_id, key)
         assert sorted(m.step for m in hist) == list(range(1, 21)), key  # none lost, none twice

@@ -24,9 +24,11 @@ def registry(mlflow_uri, tmp_path):
     """register(accept_len, policy_checkpoint) -> version: a real model version of a real run."""
     def register(accept_len: float, policy_checkpoint: str) -> str:
         tracker = MlflowTracker("retrain", uri=mlflow_uri, spool_dir=tmp_path / "spool")
-        tracker.log_text("weights", "drafter/model.txt")
-        version = tracker.register(NAME, "drafter", tags={"accept_len": f"{accept_len:.3f}",
-                                                          "policy_checkpoint": policy_checkpoint})
+        folder = tmp_path / "export"
+        folder.mkdir(exist_ok=True)
+        (folder / "model.txt").write_text("weights")
+        version = tracker.log_model(folder, "drafter", register_as=NAME, tags={
+            "accept_len": f"{accept_len:.3f}", "policy_checkpoint": policy_checkpoint})
         tracker.end()
         return version
 

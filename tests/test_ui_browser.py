@@ -1,7 +1,10 @@
-"""The UIs in a real browser: a Prefect server with the tlt deployments registered (`tlt deploy`) and
-an MLflow server holding a run logged by tlt's MlflowTracker, both on free 127.0.0.1 ports, rendered
-by headless Chromium (the CLI: --dump-dom and --screenshot, no driver package). Both UIs are
-single-page apps, so the names are looked for in the DOM after their scripts ran, not in the HTML.
+"""The UIs in a real browser, as a user meets them: a Prefect server and an MLflow server on free
+127.0.0.1 ports; `tlt run conf/smoke.yaml` trains against both, then `tlt serve conf/smoke.yaml`
+serves the deployments. Headless Chromium (the CLI: --dump-dom and --screenshot, no driver
+package) renders the run `tlt run` made (the page it links to, in MLflow's model-training view,
+with its logged model; its metric charts; a plot of its artifacts) and the served deployment's
+page (*Ready*). Both UIs are single-page apps, so names are looked for in the DOM after their
+scripts ran, not in the HTML.
 
 Run with `make test-ui` (installs Debian's chromium when missing). Screenshots go to the test's tmp
 folder and, when TLT_UI_SCREENSHOTS=DIR is set, are copied to DIR.
@@ -10,20 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import html.parser
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _services import assert_stopped, live_pids, mlflow_server, prefect_server
-from cli_runs import run_tlt
+from cli_runs import TLT, ROOT, run_tlt
 
 
 def _find_chromium() -> str | None:
@@ -41,30 +45,23 @@ pytestmark = [
 ]
 # Virtual time (ms) the page may run before the DOM is dumped; raised on each try that lacks a name.
 BUDGETS_MS = (10_000, 30_000, 60_000)
+# --run-all-compositor-stages-before-draw: without it, charts that wait for their layout (MLflow's
+# metric charts) never draw within virtual time.
 CHROMIUM_FLAGS = ["--headless", "--disable-gpu", "--no-sandbox", "--disable-dev-shm-usage", "--disable-quic",
                   "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--disable-extensions", "--hide-scrollbars", "--mute-audio"]
-
-_LOG_RUN = """
-import sys
-from tlt.tracking import MlflowTracker
-uri, name, spool = sys.argv[1:]
-t = MlflowTracker("tlt", run_name=name, uri=uri, spool_dir=spool)
-t.log_params({"model.name_or_path": "tiny:llama", "rl.steps": 3})
-for step in range(3):
-    t.log_metrics({"reward/mean": 0.25 * step, "spec/accept_len/mean": 1.0 + 0.2 * step}, step=step)
-t.end()
-print(t.client.get_run(t.run_id).info.experiment_id, t.run_id)
-"""
-
+                  "--disable-sync", "--disable-extensions", "--hide-scrollbars", "--mute-audio",
+                  "--run-all-compositor-stages-before-draw"]
 
 class _Dom(html.parser.HTMLParser):
-    """Text nodes (outside script/style) and links of a dumped DOM."""
+    """Text nodes (outside script/style; as a set and in document order), links and images
+    ((alt, src)) of a dumped DOM."""
 
     def __init__(self, markup: str):
         super().__init__()
         self.texts: set[str] = set()
+        self.order: list[str] = []
         self.links: list[tuple[str, str]] = []
+        self.images: list[tuple[str, str]] = []
         self._skip = 0
         self._href: str | None = None
         self._link_text: list[str] = []
@@ -75,6 +72,8 @@ class _Dom(html.parser.HTMLParser):
             self._skip += 1
         elif tag == "a":
             self._href, self._link_text = dict(attrs).get("href") or "", []
+        elif tag == "img":
+            self.images.append((dict(attrs).get("alt") or "", dict(attrs).get("src") or ""))
 
     def handle_endtag(self, tag):
         if tag in ("script", "style", "noscript"):
@@ -88,6 +87,7 @@ class _Dom(html.parser.HTMLParser):
             return
         if data.strip():
             self.texts.add(data.strip())
+            self.order.append(data.strip())
         if self._href is not None:
             self._link_text.append(data)
 
@@ -134,25 +134,67 @@ def _rendered(url: str, name: str, tmp: Path, done, size: str = "1400,900") -> _
     return dom
 
 
+def _deployments(api: str) -> dict[str, dict]:
+    """{name: deployment} from the Prefect API."""
+    req = urllib.request.Request(f"{api}/deployments/filter", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return {d["name"]: d for d in json.load(r)}
+
+
+@contextlib.contextmanager
+def _served(args: list[str], env: dict[str, str], api: str, log: Path, timeout: float = 300) -> Iterator[dict]:
+    """`tlt ARGS` (`tlt serve ...`) in its own process group until both deployments are READY (the
+    runner polls the API); yields them by name. On exit the group is stopped, then checked gone."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([TLT, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline, found = time.monotonic() + timeout, {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                found = _deployments(api)
+            if all(found.get(n, {}).get("status") == "READY" for n in ("manual", "retrain")):
+                break
+            time.sleep(2)
+        assert proc.poll() is None, f"tlt serve exited {proc.returncode}: {log.read_text()[-3000:]}"
+        assert all(found.get(n, {}).get("status") == "READY" for n in ("manual", "retrain")), (
+            {n: d.get("status") for n, d in found.items()}, log.read_text()[-3000:])
+        yield found
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    end = time.monotonic() + 15
+    while (left := live_pids(lambda pgid, _cmd: pgid == proc.pid)) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not left, f"tlt serve left processes running: {left}"
+
+
 @pytest.fixture(scope="module")
 def uis(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ui")
     with contextlib.ExitStack() as stack:
         prefect = stack.enter_context(prefect_server(tmp))
         mlflow = stack.enter_context(mlflow_server(tmp))
-        deploy = run_tlt(["deploy", "conf/smoke.yaml", "--set", f"trainer.checkpoint_dir={tmp / 'runs'}"],
-                         prefect["env"], timeout=300, log=tmp / "deploy.log")
-        assert deploy.returncode == 0, deploy.stdout[-3000:]
-        ids = re.findall(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", deploy.stdout)
-        assert len(ids) == 2, deploy.stdout[-3000:]
-        run_name = f"ui-check-{os.getpid()}"
-        env = {**prefect["env"], "MLFLOW_TRACKING_URI": mlflow["url"]}
-        logged = subprocess.run([sys.executable, "-c", _LOG_RUN, mlflow["url"], run_name, str(tmp / "spool")],
-                                check=False, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
-        assert logged.returncode == 0, logged.stdout[-2000:] + logged.stderr[-3000:]
-        exp_id, run_id = logged.stdout.split()[-2:]
-        yield {"tmp": tmp, "prefect": prefect, "mlflow": mlflow, "run_name": run_name, "exp_id": exp_id,
-               "run_id": run_id, "deployment_ids": dict(zip(["manual", "retrain"], ids))}
+        env = {**prefect["env"], "MLFLOW_TRACKING_URI": mlflow["url"], "TLT_MLFLOW_SPOOL_DIR": str(tmp / "spool"),
+               "PYTHONUNBUFFERED": "1"}
+        overrides = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}"]
+        trained = run_tlt(["run", "conf/smoke.yaml", *overrides], env, timeout=900, log=tmp / "run.log")
+        assert trained.returncode == 0, trained.stdout[-3000:]
+        # the link `tlt run` prints: the run's page on this server, in the model-training view
+        link = re.search(r"open (http://\S+/#/experiments/(\d+)/runs/([0-9a-f]{32})\?workflowType=machine_learning)",
+                         trained.stdout)
+        assert link and link.group(1).startswith(mlflow["url"]), trained.stdout[-2000:]
+        served = stack.enter_context(_served(["serve", "conf/smoke.yaml", *overrides], env, prefect["api"],
+                                             tmp / "serve.log"))
+        yield {"tmp": tmp, "prefect": prefect, "mlflow": mlflow, "run_link": link.group(1), "exp_id": link.group(2),
+               "run_id": link.group(3), "deployment_ids": {name: served[name]["id"] for name in ("manual", "retrain")}}
     # every server and its children are gone, their ports closed
     assert_stopped(prefect["proc"], prefect["port"])
     assert_stopped(mlflow["proc"], mlflow["port"])
@@ -171,20 +213,67 @@ def test_prefect_ui_lists_the_deployments(uis):
 
     dom = _rendered(url, "prefect-deployments", uis["tmp"], listed)
     assert {"manual", "retrain", "tlt-train"} <= dom.texts, sorted(dom.texts)[:200]
-    for name, dep_id in ids.items():  # each name links to the deployment `tlt deploy` registered
+    for name, dep_id in ids.items():  # each name links to the deployment `tlt serve` registered
         assert (f"/deployments/deployment/{dep_id}", name) in dom.links, (name, dom.links)
 
 
-def test_mlflow_ui_shows_the_run(uis):
-    url = f"{uis['mlflow']['url']}/#/experiments/{uis['exp_id']}/runs/{uis['run_id']}"
-    metrics = {"reward/mean", "spec/accept_len/mean"}
-    last_values = {"0.5", "1.4"}  # the values logged at the last step
+def _after(dom: _Dom, label: str) -> str | None:
+    """The text that follows `label` in document order (a field's value on a details page)."""
+    return next((dom.order[i + 1] for i, t in enumerate(dom.order[:-1]) if t == label), None)
+
+
+def test_prefect_ui_shows_the_served_deployment_ready(uis):
+    dep_id = uis["deployment_ids"]["manual"]
+    url = f"{uis['prefect']['url']}/deployments/deployment/{dep_id}"
+
+    def ready(dom):
+        return "manual" in dom.texts and _after(dom, "Status") == "Ready"
+
+    dom = _rendered(url, "prefect-deployment", uis["tmp"], ready)
+    assert "manual" in dom.texts and "tlt-train" in dom.texts, sorted(dom.texts)[:200]
+    assert _after(dom, "Status") == "Ready", dom.order[:300]
+    assert dep_id in dom.texts
+
+
+def test_mlflow_ui_opens_the_run_in_the_training_view(uis):
+    """The page `tlt run` links to: the run, its logged model and registered version, its datasets,
+    in the model-training view (its side bar: Runs, Models, Model registry; no GenAI sections)."""
+    wanted = {"smoke", uis["run_id"], "drafter", "tlt-drafter", "Model registry"}
 
     def shown(dom):
-        return uis["run_name"] in dom.texts and metrics | last_values <= dom.texts
+        return wanted <= dom.texts and any(t.startswith("Logged models") for t in dom.texts)
 
-    dom = _rendered(url, "mlflow-run", uis["tmp"], shown, size="1400,1600")
-    assert uis["run_name"] in dom.texts, sorted(dom.texts)[:200]
-    assert metrics <= dom.texts, sorted(dom.texts)[:300]
-    assert last_values <= dom.texts, sorted(dom.texts)[:300]
-    assert uis["run_id"] in dom.texts
+    dom = _rendered(uis["run_link"], "mlflow-run", uis["tmp"], shown, size="1400,3000")
+    assert wanted <= dom.texts, sorted(wanted - dom.texts)
+    assert any(t.startswith("train-prompts (") for t in dom.texts), sorted(dom.texts)[:300]  # name (digest)
+    assert "Logged models (1)" in " ".join(dom.order), dom.order[:400]
+    assert not {"Evaluation runs", "Judges", "Prompts"} & dom.texts, "the GenAI view opened"
+    model = [href for href, _ in dom.links if f"/experiments/{uis['exp_id']}/models/m-" in href]
+    assert model, dom.links  # a link to the logged model's page
+
+
+def test_mlflow_ui_draws_the_metric_charts(uis):
+    base = uis["run_link"].split("?")[0]
+    # one chart per metric, each named by its series: "<run name> (<metric>)"
+    series = {f"smoke ({key})" for key in ("reward/mean", "spec/accept_len/mean", "eval/accuracy", "policy/loss")}
+
+    def drawn(dom):
+        return series <= dom.texts
+
+    dom = _rendered(f"{base}/model-metrics?workflowType=machine_learning", "mlflow-charts", uis["tmp"], drawn,
+                    size="1400,9000")  # tall: sections below the fold are not drawn
+    assert series <= dom.texts, sorted(series - dom.texts)
+    markup = (uis["tmp"] / "mlflow-charts.html").read_text()
+    assert markup.count('class="main-svg"') >= 2 * len(series)  # plotly drew them (two svg layers a chart)
+
+
+def test_mlflow_ui_shows_a_plot_artifact(uis):
+    base = uis["run_link"].split("?")[0]
+    plot = "plots/accept_len.png"
+
+    def shown(dom):
+        return any(alt == plot and src.startswith("blob:") for alt, src in dom.images)
+
+    dom = _rendered(f"{base}/artifacts/{plot}?workflowType=machine_learning", "mlflow-plot", uis["tmp"], shown)
+    assert any(alt == plot and src.startswith("blob:") for alt, src in dom.images), dom.images
+    assert {"plots", "accept_len.png", "reward_accuracy.png"} <= dom.texts, sorted(dom.texts)[:300]

@@ -1,21 +1,28 @@
 """The `tlt` command line. User errors print one paragraph and exit 2, never a traceback.
 
 Commands that need Prefect import `flows` lazily, so `tlt config check` and `tlt data
-validate` start fast and the library keeps no dependency on the orchestrator.
+validate` start fast and the library keeps no dependency on the orchestrator. For the same
+reason the modules that pull in torch, transformers or matplotlib are imported inside the
+commands that use them (each marked "deferred"); `tlt.tracking` loads mlflow on first use.
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
+from tlt import tracking
+from tlt.config import dump_yaml, load_config, reference_markdown
 from tlt.errors import UserError, exception_chain
+from tlt.services import run_uis
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TLT: RL with speculative rollout and an adaptive drafter.")
 config_app = typer.Typer(no_args_is_help=True, help="Check and show run configs.")
@@ -45,8 +52,6 @@ def _env_defaults() -> None:
 
 
 def _load(config: Path | None, overrides: list[str] | None):
-    from tlt.config import load_config
-
     return load_config(config, overrides or [])
 
 
@@ -60,16 +65,12 @@ def config_check(file: Path, set_: Optional[list[str]] = SetOpt) -> None:
 @config_app.command("show")
 def config_show(file: Optional[Path] = typer.Argument(None), set_: Optional[list[str]] = SetOpt) -> None:
     """Print the resolved config (defaults filled in) as YAML."""
-    from tlt.config import dump_yaml
-
     out.print(dump_yaml(_load(file, set_)), markup=False)
 
 
 @config_app.command("reference")
 def config_reference(readme: Optional[Path] = typer.Option(None, help="Rewrite the reference block of this README")) -> None:
     """Print the config reference table (Markdown), or refresh it inside README.md."""
-    from tlt.config import reference_markdown
-
     if readme is None:
         print(reference_markdown())
         return
@@ -83,8 +84,8 @@ def config_reference(readme: Optional[Path] = typer.Option(None, help="Rewrite t
 def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="Recipe whose model tokenizer and limits apply"),
                   set_: Optional[list[str]] = SetOpt) -> None:
     """List every bad row (row, column, reason) and exit 2; or print a one-line summary."""
-    from tlt.data import validate_file
-    from tlt.models import load_tokenizer
+    from tlt.data import validate_file  # deferred: pandas, reasoning-gym
+    from tlt.models import load_tokenizer  # deferred: torch, transformers
 
     cfg = _load(config, set_)
     report = validate_file(path, tokenizer=load_tokenizer(cfg.model), max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -113,8 +114,6 @@ def _by_sigterm(exc: BaseException | None) -> bool:
 
 
 def _terminate_cleanly() -> None:
-    import signal
-
     def handler(signum, frame):
         global _sigterm_received
         _sigterm_received = True  # click turns the exception into Abort: main() reads this flag
@@ -142,7 +141,10 @@ def run(config: Path, set_: Optional[list[str]] = SetOpt,
     if ex:
         line += f"; drafter exported to {ex['path']}" + (f" (tlt-drafter version {ex['version']})" if ex.get("version") else "")
     out.print(line, markup=False, highlight=False)
-    out.print(f"done: MLflow run {result['run_id']}  (make ui, then open the experiment '{cfg.tracking.experiment}')")
+    link = tracking.run_link(result["run_id"], cfg.tracking.tracking_uri)
+    where = f"open {link}" if link else f"open the experiment '{cfg.tracking.experiment}'"
+    local = not tracking.default_tracking_uri(cfg.tracking.tracking_uri).startswith(("http://", "https://"))
+    out.print(f"done: MLflow run {result['run_id']}  ({'make ui, then ' if local else ''}{where})")
     _exit_if_unsent(result["run_id"], cfg.tracking.tracking_uri)
 
 
@@ -151,17 +153,13 @@ UNSENT_EXIT = 3  # the run finished, but MLflow does not hold all of it yet (see
 
 def _sync_quietly(uri: str | None) -> None:
     """Send what earlier runs' outages left in the spool; one line only when there was something."""
-    from tlt.tracking.sync import format_results, sync_all
-
-    results = sync_all(uri)
+    results = tracking.sync_all(uri)
     if results:
-        err.print(format_results(results), markup=False, highlight=False)
+        err.print(tracking.format_results(results), markup=False, highlight=False)
 
 
 def _exit_if_unsent(run_id: str, uri: str | None) -> None:
-    from tlt.tracking.sync import unsent_warning
-
-    if msg := unsent_warning(run_id, uri):
+    if msg := tracking.unsent_warning(run_id, uri):
         err.print(f"warning: {msg}", markup=False, highlight=False)
         raise typer.Exit(UNSENT_EXIT)
 
@@ -171,12 +169,10 @@ def tracking_sync(uri: Optional[str] = typer.Option(None, "--uri", help="Trackin
                                                     "MLFLOW_TRACKING_URI, else mlflow/mlflow.db)")) -> None:
     """Send every pending outage spool (mlflow/spool/, or $TLT_MLFLOW_SPOOL_DIR) to the store, oldest call
     first; print what was sent and what remains; exit 3 while calls remain."""
-    from tlt.tracking.sync import format_results, sync_all
-
     if uri:  # the flag wins over the environment (elsewhere MLFLOW_TRACKING_URI wins over the config)
         os.environ["MLFLOW_TRACKING_URI"] = uri
-    results = sync_all(uri)
-    out.print(format_results(results), markup=False, highlight=False)
+    results = tracking.sync_all(uri)
+    out.print(tracking.format_results(results), markup=False, highlight=False)
     if any(r.left for r in results):
         raise typer.Exit(UNSENT_EXIT)
 
@@ -204,8 +200,8 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
                                                             "--drafter, or vLLM)"),
                       force: bool = typer.Option(False, "--force", help="Replace a non-empty --export directory")) -> None:
     """Warm-start the drafter on target responses; prints accept length before and after."""
-    from tlt.export import export_eagle3
-    from tlt.pipeline import Pipeline
+    from tlt.export import export_eagle3  # deferred: torch
+    from tlt.pipeline import Pipeline  # deferred: torch, transformers
 
     _env_defaults()
     pipe = Pipeline(_load(config, set_))
@@ -243,28 +239,21 @@ def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id 
            force: bool = typer.Option(False, "--force", help="Replace a non-empty --out directory"),
            register: bool = typer.Option(True, help="Log to MLflow and register a version of tlt-drafter (with --run)")) -> None:
     """Write the drafter of a run as an EAGLE-3 directory that vLLM and SGLang load."""
-    import time
-
-    from tlt.export_run import export_checkpoint, resolve_checkpoint
+    from tlt.export_run import export_checkpoint, resolve_checkpoint  # deferred: torch, transformers
 
     t0 = time.perf_counter()
     root = "runs"
     if run:
-        from tlt.tracking import read_run, unsent_warning
-
-        if msg := unsent_warning(run):
+        if msg := tracking.unsent_warning(run):
             err.print(f"warning: {msg}", markup=False, highlight=False)
-        root = read_run(run)["params"].get("trainer.checkpoint_dir", root)
+        root = tracking.read_run(run)["params"].get("trainer.checkpoint_dir", root)
     ckpt = resolve_checkpoint(run, checkpoint, root)
     path, cfg = export_checkpoint(ckpt, out_dir, force=force)
     out.print(f"exported {ckpt} -> {path} in {time.perf_counter() - t0:.1f} s")
     if run and register:
-        from tlt.tracking import make_tracker
-
-        tracker = make_tracker(cfg.tracking.model_copy(update={"system_metrics": False}), run_id=run)
-        tracker.log_artifacts(path, "drafter_export")
-        version = tracker.register(cfg.export.model_name, "drafter_export",
-                                   tags={"target": cfg.model.name_or_path, "checkpoint": str(ckpt), "format": "eagle3"})
+        tracker = tracking.make_tracker(cfg.tracking.model_copy(update={"system_metrics": False}), run_id=run)
+        version = tracker.log_model(path, "drafter_export", register_as=cfg.export.model_name,
+                                    tags={"target": cfg.model.name_or_path, "checkpoint": str(ckpt), "format": "eagle3"})
         tracker.end()
         out.print(f"registered {cfg.export.model_name} version {version}")
     out.print(f"serve it: vllm serve <target> --speculative-config "
@@ -276,7 +265,7 @@ def compare(run_ids: Optional[list[str]] = typer.Argument(None),
             experiment: Optional[str] = typer.Option(None, "--experiment", help="Compare the newest runs of this experiment"),
             out_png: Optional[Path] = typer.Option(None, "--out", help="Write the comparison plot (PNG)")) -> None:
     """Compare runs: accept length, tokens/s, SD speedup, accuracy, reward, step time, drafter share."""
-    from tlt.compare import compare_command
+    from tlt.compare import compare_command  # deferred: matplotlib, pandas
 
     print(compare_command(run_ids or [], experiment=experiment, out=out_png))
 
@@ -303,8 +292,6 @@ def serve(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Option
 @app.command("ui")
 def ui(prefect_port: int = 4200, mlflow_port: int = 5000, host: str = "127.0.0.1") -> None:
     """Start the Prefect server and the MLflow UI (Ctrl-C stops both)."""
-    from tlt.services import run_uis
-
     _env_defaults()
     run_uis(host, prefect_port, mlflow_port)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 from matplotlib.figure import Figure
+from rich.console import Console
+from rich.table import Table
 
 from tlt import tracking
 from tlt.errors import UserError
@@ -124,9 +126,6 @@ def _cell(value, fmt: str) -> str:
 
 def format_table(df: pd.DataFrame) -> str:
     """The comparison table as plain text (rich box drawing, no colour) for the terminal."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(show_lines=False)
     cols = [c for c in COLUMNS if c in df.columns]
     for c in cols:

@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pandas as pd
+import torch
 from tqdm.auto import tqdm
 
 from tlt.atomic import write_file
+from tlt.data import generate_rows
+from tlt.rollout.engine import RolloutEngine
 
 CORPUS_SEED_OFFSET = 7919  # the corpus' generator seed = data.seed + this (never the training split's seed)
 
@@ -79,8 +82,6 @@ def prompt_source(cfg, train_texts: list[str], exclude: set[str]) -> tuple[str, 
 
 def _generated(gens, seed: int, exclude: set[str]) -> Iterator[str]:
     """Fresh reasoning-gym prompts of the recipe's tasks, round after round (new seed each round)."""
-    from tlt.data import generate_rows
-
     for round_ in range(1000):
         rows = generate_rows(gens, seed + CORPUS_SEED_OFFSET + 101 * round_)
         texts = [t for t in rows["prompt"].tolist() if t not in exclude]
@@ -110,7 +111,6 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
         df = pd.read_parquet(path)
         return Corpus([list(map(int, x)) for x in df["prompt_ids"]], [list(map(int, x)) for x in df["response_ids"]],
                       [float(x) for x in df["temperature"]], key, path, time.perf_counter() - t0, cached=True)
-    from tlt.rollout.engine import RolloutEngine
 
     # Only the in-process torch engine records features; others (vLLM, workers): warm-start re-forwards.
     extra = {"capture": capture} if capture is not None and isinstance(engine, RolloutEngine) else {}
@@ -148,8 +148,6 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
 
 def vocab_coverage(t2d, token_lists: list[list[int]]) -> float:
     """Share of the tokens in `token_lists` (e.g. the target's greedy answers) inside the draft vocabulary."""
-    import torch
-
     toks = [t for ts in token_lists for t in ts]
     if not toks:
         return 0.0

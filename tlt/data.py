@@ -154,8 +154,8 @@ def _read_json_array(p: Path, text: str) -> tuple[list[int], list[dict]]:
 
 
 def _read_parquet(p: Path) -> tuple[list[int], list[dict]]:
-    import pyarrow as pa_arrow
-    import pyarrow.parquet as pq
+    import pyarrow as pa_arrow  # deferred: only parquet input needs pyarrow
+    import pyarrow.parquet as pq  # deferred: as above
 
     try:
         table = pq.read_table(p)
@@ -172,7 +172,7 @@ def _read_parquet(p: Path) -> tuple[list[int], list[dict]]:
 @functools.cache
 def task_names() -> frozenset[str]:
     """Names of the registered reasoning-gym datasets (imported lazily: ~1.5 s)."""
-    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.factory import DATASETS  # deferred: reasoning-gym takes ~1 s to import
 
     return frozenset(DATASETS)
 
@@ -198,7 +198,7 @@ def generate_rows(specs: Sequence[GeneratorSpec | Mapping], seed: int = 0) -> pd
     `meta` holds the entry's metadata as JSON, so `rg_entry(row)` rebuilds the
     {question, answer, metadata} entry that reasoning-gym scorers expect.
     """
-    import reasoning_gym as rg
+    import reasoning_gym as rg  # deferred: reasoning-gym takes ~1 s to import
 
     records, seen = [], Counter()
     for k, spec in enumerate(specs):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from tlt.atomic import staged_dir
 from tlt.drafter.model import Eagle3Drafter, rope_parameters
@@ -139,8 +140,6 @@ def _check_vocab(tensors: dict, V: int, Vd: int) -> list[str]:
 
 
 def _check_config(path: Path, raw: dict, target_config) -> list[str]:
-    from transformers import AutoConfig
-
     try:
         loaded = AutoConfig.from_pretrained(str(path))
     except Exception as err:  # any parse failure is a problem to report, not to raise

@@ -5,6 +5,9 @@ from pathlib import Path
 
 from tlt.checkpoint import latest_checkpoint, load_checkpoint
 from tlt.config import load_config
+from tlt.drafter.model import build_drafter
+from tlt.export import export_eagle3
+from tlt.models import load_target
 from tlt.errors import UserError
 
 
@@ -28,10 +31,6 @@ def resolve_checkpoint(run_id: str | None, checkpoint: str | Path | None, checkp
 
 def export_checkpoint(ckpt: Path, out: Path, force: bool = False) -> tuple[Path, object]:
     """Rebuild target + drafter from the run's config.yaml and the checkpoint; write the EAGLE-3 dir."""
-    from tlt.drafter.model import build_drafter
-    from tlt.export import export_eagle3
-    from tlt.models import load_target
-
     cfg_path = ckpt.parent.parent / "config.yaml"
     if not cfg_path.exists():
         raise UserError(f"'{cfg_path}' is missing: the checkpoint's run folder must hold the run's config.yaml")

@@ -21,9 +21,10 @@ import sys
 from pathlib import Path
 
 import torch
+from huggingface_hub import constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase,
-                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from tlt.atomic import staged_dir
 from tlt.config import ModelConfig
@@ -122,8 +123,6 @@ def _ensure_chatml(tok: PreTrainedTokenizerBase) -> None:
 
 def _convert_gguf(dest: Path) -> None:
     """Dequantise the GGUF to fp32 and save safetensors + tokenizer into `dest`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     src = _gguf_dir()
     tok = _set_pad(AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE))
     _ensure_chatml(tok)
@@ -177,8 +176,6 @@ def bundled_smollm2_dir(cache_dir: str | Path = ".cache/models") -> Path:
 
 
 def _offline() -> bool:
-    from huggingface_hub import constants
-
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or constants.HF_HUB_OFFLINE
 
 
@@ -237,8 +234,6 @@ def _set_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """The target's tokenizer only (pad set, ChatML template), e.g. for data validation."""
-    from transformers import AutoTokenizer
-
     if _tiny_arch(cfg):
         return tiny_tokenizer()
     src, kw = _source(cfg)
@@ -258,8 +253,6 @@ def _short(err: Exception) -> str:
 
 def load_target(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target policy and its tokenizer: dtype from cfg, eval mode, pad token set."""
-    from transformers import AutoModelForCausalLM
-
     dtype = getattr(torch, cfg.dtype)
     arch = _tiny_arch(cfg)
     if arch:

@@ -327,7 +327,7 @@ class Pipeline:
 
     # -- stage 6: export ---------------------------------------------------------------------------
     def export(self) -> ExportSummary:
-        """EAGLE-3 directory (EXPORT_SPEC.md) logged to MLflow and registered as a model version."""
+        """EAGLE-3 directory (EXPORT_SPEC.md) logged to MLflow as the run's model and registered as a version."""
         t0 = time.perf_counter()
         # The final evaluation measured the same weights already; measure only if it did not run.
         accept_len = self.eval_accept_len.get(self.cfg.rl.steps)
@@ -339,14 +339,12 @@ class Pipeline:
         e = self.cfg.export
         out = Path(e.out_dir) if e.out_dir else self.run_dir / "drafter_export"
         export_eagle3(self.drafter, self.model.config, out, force=e.out_dir is None)
-        self.tracker.log_artifacts(out, "drafter")
-        version = None
-        if e.register_model:
-            tags = {"target": self.cfg.model.name_or_path, "accept_len": f"{accept_len:.3f}",
-                    "accept_len_sampled": f"{sampled:.3f}", "accept_strategy": self.cfg.drafter.eval_strategy.name,
-                    "format": "eagle3",
-                    "policy_checkpoint": str(self.last_checkpoint.resolve()) if self.last_checkpoint else ""}
-            version = self.tracker.register(e.model_name, "drafter", tags=tags)
+        tags = {"target": self.cfg.model.name_or_path, "accept_len": f"{accept_len:.3f}",
+                "accept_len_sampled": f"{sampled:.3f}", "accept_strategy": self.cfg.drafter.eval_strategy.name,
+                "format": "eagle3",
+                "policy_checkpoint": str(self.last_checkpoint.resolve()) if self.last_checkpoint else ""}
+        version = self.tracker.log_model(out, "drafter", register_as=e.model_name if e.register_model else None,
+                                         tags=tags, step=self.cfg.rl.steps)
         summary = ExportSummary(path=str(out), version=version, accept_len=accept_len, time_s=time.perf_counter() - t0)
         self.tracker.log_metrics({"timing_s/export": summary.time_s}, step=self.cfg.rl.steps)
         return summary

@@ -43,7 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def make_llm(args: argparse.Namespace, n_prompts: int, speculative: bool):
     """One small fp32 engine: eager (no torch.compile, ~20 s start), stats on for get_metrics()."""
-    from vllm import LLM
+    from vllm import LLM  # deferred: vllm is optional (its own venv) and slow to import
 
     spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k} if speculative else None
     return LLM(model=args.target, dtype="float32", speculative_config=spec, disable_log_stats=False,
@@ -54,7 +54,7 @@ def make_llm(args: argparse.Namespace, n_prompts: int, speculative: bool):
 
 def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy, fixed length (ignore_eos), no detokenization (tiny vocabularies exceed the tokenizer)."""
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt  # deferred: vllm, as above
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
@@ -79,8 +79,8 @@ def spec_metrics(llm) -> dict[str, int | list[int]]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import torch
-    import vllm
+    import torch  # deferred: loaded only when the check runs, with vllm
+    import vllm  # deferred: vllm, as above
 
     with open(args.prompts) as f:
         prompts = [[int(t) for t in p] for p in json.load(f)]

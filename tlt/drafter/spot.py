@@ -34,7 +34,11 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
+from tlt.checkpoint import load_checkpoint, load_pt, newest_verified, save_checkpoint, torch_blob
+from tlt.config import DrafterConfig
 from tlt.drafter.buffer import DraftBuffer
+from tlt.drafter.model import Eagle3Drafter
+from tlt.drafter.train import DrafterTrainer
 from tlt.faults import fault
 
 log = logging.getLogger(__name__)
@@ -61,8 +65,6 @@ class _CheckpointWriter:
             self._cv.notify()
 
     def _loop(self) -> None:
-        from tlt.checkpoint import save_checkpoint, torch_blob
-
         while True:
             with self._cv:
                 while self._pending is None:
@@ -79,9 +81,6 @@ def _worker(target_config, embed, head, state, dcfg_json: str, vd: int, aux_ids,
             ckpt_dir: str | None, threads: int):
     """Worker loop: ("train", batches) trains until `stop`; ("optim",) / ("load_optim", sd) for checkpoints."""
     torch.set_num_threads(threads)
-    from tlt.config import DrafterConfig
-    from tlt.drafter.model import Eagle3Drafter
-    from tlt.drafter.train import DrafterTrainer
 
     cfg = DrafterConfig.model_validate_json(dcfg_json)
     drafter = Eagle3Drafter(target_config, embed, vd, aux_ids)
@@ -263,8 +262,6 @@ class SpotTrainer:
     # ---- preemption ----------------------------------------------------------------------------
     def _recover(self) -> None:
         """Start a new worker from the newest verified drafter checkpoint (or the last tail's weights)."""
-        from tlt.checkpoint import load_checkpoint, load_pt, newest_verified
-
         t0 = time.perf_counter()
         reached, code = int(self.progress.value), self.proc.exitcode
         self.proc.join(1)

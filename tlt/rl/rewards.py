@@ -103,7 +103,7 @@ def _too_costly(text: str) -> bool:
 
 
 def _mv_parse(text: str) -> list:
-    from math_verify import parse
+    from math_verify import parse  # deferred: math-verify pulls sympy (~1 s)
 
     if _too_costly(text):
         return []
@@ -125,7 +125,7 @@ def _parse_gold(gold: str) -> tuple:
 
 
 def _verifies(gold: tuple, text: str | None) -> bool:
-    from math_verify import verify
+    from math_verify import verify  # deferred: math-verify pulls sympy (~1 s)
 
     if not text:
         return False
@@ -167,7 +167,7 @@ def math_reward(completions: list[str], answers: list[str], **kw: Any) -> list[f
 
 @lru_cache(maxsize=None)
 def _rg_scorer(task: str) -> Callable[..., float]:
-    import reasoning_gym
+    import reasoning_gym  # deferred: reasoning-gym takes ~1 s to import
 
     return reasoning_gym.get_score_answer_fn(task)
 
@@ -175,7 +175,7 @@ def _rg_scorer(task: str) -> Callable[..., float]:
 def is_reasoning_gym_task(task: Any) -> bool:
     if not isinstance(task, str) or not task:
         return False
-    from reasoning_gym.factory import DATASETS
+    from reasoning_gym.factory import DATASETS  # deferred: reasoning-gym takes ~1 s to import
 
     return task in DATASETS
 

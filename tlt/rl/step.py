@@ -17,8 +17,11 @@ import torch
 from torch import Tensor
 
 from tlt.faults import fault
+from tlt.metrics import rollout_metrics
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
+from tlt.rl.rewards import checked_rewards
+from tlt.rl.update import PolicyBatch, fuses_old_logprob
 from tlt.schemas import rollout_table
 
 if TYPE_CHECKING:
@@ -139,8 +142,6 @@ def _rollout(ctx: StepContext, step: int, timer: Timer):
 
 
 def _rewards(ctx: StepContext, rows, batch, timer: Timer):
-    from tlt.rl.rewards import checked_rewards
-
     g = batch.group_index
     texts = [ctx.tokenizer.decode(r, skip_special_tokens=True) for r in batch.response_ids]
     pick = lambda col: [rows[col].iloc[i] for i in g]  # noqa: E731 - per-sample view of a prompt column
@@ -164,8 +165,6 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
     no-grad forward first, scored at temperature 1 like the update's, so the first ratio is 1.
     `perf/target_forwards_per_sample` counts the learner's full-sequence policy forwards.
     """
-    from tlt.rl.update import PolicyBatch, fuses_old_logprob
-
     ids, attn, resp, pos = tensors
     aux_ids = ctx.refresher.aux_layer_ids if ctx.refresher else None
     fused = fuses_old_logprob(ctx.cfg)
@@ -201,8 +200,6 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     """Run RL step `step`; returns its metrics (names of DESIGN.md)."""
-    from tlt.metrics import rollout_metrics
-
     cfg, timer = ctx.cfg, Timer()
     t0 = time.perf_counter()
     rows, batch = _rollout(ctx, step, timer)

@@ -18,7 +18,10 @@ import torch
 
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
+from tlt.rollout.calibrate import Calibrator
+from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
+from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
 
 
@@ -33,15 +36,12 @@ class RolloutEngine:
     """
 
     def __init__(self, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int, drafter=None, tuner=None):
-        from tlt.rollout.ngram import NgramDrafter, PromptHistory
-
         self.model, self.cfg, self.pad_id = model, cfg, pad_id
         self.eos_ids = list(eos_ids)
         self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
         self.ngram = NgramDrafter()
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
-        from tlt.rollout.calibrate import Calibrator
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -191,8 +191,6 @@ class RolloutEngine:
 
     def _spec_step(self, st: DecodeState, opts, gen, outs) -> None:
         """One speculative round with the tuner's (or the configured) strategy."""
-        from tlt.rollout.spec import spec_round
-
         bsz = st.size
         strategy = self.tuner.choose(bsz) if self.tuner is not None else self.cfg.strategy
         t0 = time.perf_counter()

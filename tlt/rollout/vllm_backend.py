@@ -17,6 +17,7 @@ features. The tail is still announced (`on_tail`), so the spot trainer works wit
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -28,7 +29,10 @@ import weakref
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from tlt.errors import UserError
+from tlt.export import export_eagle3
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 
@@ -67,10 +71,6 @@ def fingerprint(module) -> tuple:
 def digest(module) -> str:
     """Hash of every parameter and buffer's bytes (for the small drafter: a load of the same weights
     bumps version counters, which must not cost an engine rebuild)."""
-    import hashlib
-
-    import torch
-
     h = hashlib.blake2b(digest_size=16)
     for k, t in module.state_dict().items():
         h.update(k.encode())
@@ -189,8 +189,6 @@ class VllmRolloutEngine:
     def _write_drafter(self) -> Path | None:
         if self.method != "eagle3":
             return None
-        from tlt.export import export_eagle3
-
         return export_eagle3(self.drafter, self.model.config, self._next_dir("drafter"))
 
     def sync(self, model=None, drafter=None) -> dict[str, float]:
@@ -307,8 +305,6 @@ class VllmRolloutEngine:
 def kv_cache_budget_mib(config, dtype: str, max_model_len: int, max_num_seqs: int) -> int:
     """KV cache for max_num_seqs full-length sequences (+1 layer: the EAGLE-3 drafter), capped at a
     quarter of free memory (GPU when there is one, else RAM): past the cap vLLM queues requests."""
-    import torch
-
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()

@@ -40,7 +40,7 @@ SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_d
 
 def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
     """An engine for `target_dir` (+ the drafter): eager (no compile: fast start), stats on, sized by tlt."""
-    from vllm import LLM
+    from vllm import LLM  # deferred: vllm is optional (its own venv) and slow to import
 
     speculative = None
     if spec.get("method") == "eagle3" and drafter_dir:
@@ -48,7 +48,7 @@ def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
     elif spec.get("method") == "ngram":  # model-free prompt lookup, as tlt's NgramDrafter (n = 1..3)
         speculative = {"method": "ngram", "num_speculative_tokens": spec["k"], "prompt_lookup_max": 3,
                        "prompt_lookup_min": 1}
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # deferred: vllm, as above
 
     extra = {"per_request_spec_decode_metrics": "summary"} if speculative else {}
     if current_platform.is_cpu():
@@ -103,7 +103,7 @@ def _seed(base: int, index: int) -> int:
 
 def generate(llm, req: dict, emit) -> dict:
     """Run one batch to completion with our own step loop, so that the tail can be announced."""
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt  # deferred: vllm, as above
 
     n, tail_at = int(req["n"]), req.get("tail_at")
     common = dict(temperature=float(req["temperature"]), top_p=float(req["top_p"]), max_tokens=int(req["max_tokens"]),
@@ -152,8 +152,8 @@ class Worker:
             gc.collect()
 
     def init(self, req: dict) -> dict:
-        import torch
-        import vllm
+        import torch  # deferred: only for the version report
+        import vllm  # deferred: vllm, as above (version report)
 
         self.spec, self.target_dir, self.drafter_dir = req, req["target_dir"], req.get("drafter_dir")
         return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}

@@ -59,7 +59,8 @@ class NullTracker:
     def log_dataset(self, df: Any, name: str, digest: str, source: str, context: str = "train",
                     tags: dict[str, str] | None = None) -> None: ...
 
-    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
+    def log_model(self, local_dir: str | Path, name: str, register_as: str | None = None,
+                  tags: dict[str, str] | None = None, step: int = 0) -> str | None:
         """No registry: no version."""
         return None
 
@@ -72,6 +73,6 @@ def unsent_message(run_id: str, uri: str, spool: Path, n: int) -> str:
     """What a user reads when calls of a run are still in the spool (the end of a run, compare, export)."""
     default = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_DIR.resolve() / 'mlflow.db'}"
     command = "tlt tracking sync" + ("" if uri == default else f" --uri {uri}")
-    return (f"MLflow run {run_id}: {n} call(s) (metrics, artifacts, registrations, the final status) could not be "
+    return (f"MLflow run {run_id}: {n} call(s) (metrics, artifacts, the drafter model, the final status) could not be "
             f"sent to {uri} and wait in {spool}; until they are sent the run shows as RUNNING with partial data. "
             f"Once the store is reachable, send them with `{command}`.")

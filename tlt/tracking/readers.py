@@ -10,6 +10,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from tlt.tracking.base import default_tracking_uri, keep_env_uri
+from tlt.tracking.transient import is_transient
+
+# MLflow 3.17's UI shows every experiment in its GenAI view unless the URL (or the switch at its
+# top left, remembered by the browser) asks for the model-training one; tlt's links ask.
+TRAINING_VIEW = "workflowType=machine_learning"
+UI_DEFAULT = "http://127.0.0.1:5000"  # `tlt ui` / `make ui`
 
 
 def _client(uri: str | None) -> MlflowClient:
@@ -17,17 +23,23 @@ def _client(uri: str | None) -> MlflowClient:
 
 
 def read_run(run_id: str, uri: str | None = None) -> dict[str, Any]:
-    """Params, latest metrics, tags, artifact paths and dataset inputs ({name: {digest, context}})
-    of a run (for compare and tests)."""
+    """Params, latest metrics, tags, artifact paths, dataset inputs ({name: {digest, context}}) and
+    logged models ({name: {model_id, step, status, source_run_id, tags}}) of a run (for compare and tests)."""
     client = _client(uri)
     run = client.get_run(run_id)
     inputs = run.inputs.dataset_inputs if run.inputs else []
     datasets = {d.dataset.name: {"digest": d.dataset.digest,
                                  "context": next((t.value for t in d.tags if t.key == "mlflow.data.context"), None)}
                 for d in inputs}
+    outputs = run.outputs.model_outputs if run.outputs else []
+    models = {}
+    for out in outputs:
+        lm = client.get_logged_model(out.model_id)
+        models[lm.name] = {"model_id": lm.model_id, "step": out.step, "status": str(lm.status),
+                           "source_run_id": lm.source_run_id, "tags": lm.tags}
     return {"params": run.data.params, "metrics": run.data.metrics, "tags": run.data.tags,
             "status": run.info.status, "name": run.info.run_name,
-            "artifacts": [f.path for f in client.list_artifacts(run_id)], "datasets": datasets}
+            "artifacts": [f.path for f in client.list_artifacts(run_id)], "datasets": datasets, "models": models}
 
 
 def metric_history(run_id: str, key: str, uri: str | None = None) -> list[tuple[int, float]]:
@@ -90,3 +102,17 @@ def download(source: str, dst: str | Path, uri: str | None = None) -> Path:
     """Copy a registered model version's artifacts (its `source` URI) to a local folder."""
     keep_env_uri(lambda: mlflow.set_tracking_uri(default_tracking_uri(uri)))
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=source, dst_path=str(dst)))
+
+
+def run_link(run_id: str, uri: str | None = None) -> str | None:
+    """The run's page in MLflow's UI, in its model-training view: on the tracking server when the
+    store is one, else where `tlt ui` serves the local store. None while the store is unreachable."""
+    resolved = default_tracking_uri(uri)
+    base = resolved.rstrip("/") if resolved.startswith(("http://", "https://")) else UI_DEFAULT
+    try:
+        experiment_id = _client(uri).get_run(run_id).info.experiment_id
+    except Exception as err:  # noqa: BLE001 - an outage only costs the link
+        if not is_transient(err):
+            raise
+        return None
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"

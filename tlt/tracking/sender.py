@@ -6,11 +6,13 @@ import logging
 import time
 from pathlib import Path
 
+import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from tlt.spool import Spool
-from tlt.tracking.registry import register_version
+from tlt.tracking.base import keep_env_uri
+from tlt.tracking.registry import log_model, register_version
 from tlt.tracking.transient import is_transient
 
 log = logging.getLogger("tlt.tracking")
@@ -47,10 +49,22 @@ class SpoolSender:
                 self.client.log_artifacts(self.run_id, p["local"], p["path"])
             else:
                 self.client.log_artifact(self.run_id, p["local"], p["path"])
-        elif kind == "register":
+        elif kind == "model":
+            self._log_model(p)
+        elif kind == "register":  # a spool written before the drafter became a logged model
             register_version(self.client, self.run_id, p["name"], self.artifact_uri(p["artifact_path"]), p["tags"])
         elif kind == "terminate":
             self.client.set_terminated(self.run_id, status=p["status"])
+
+    def _log_model(self, p: dict) -> str | None:
+        """Folder `p["local"]` as logged model `p["name"]` of the run, registered as a version of
+        `p["register_as"]` when set; returns that version."""
+        model_id = log_model(self.client, self.run_id, p["local"], p["name"], p["tags"], p["step"])
+        if not p["register_as"]:
+            return None
+        # a sqlite registry looks the logged model up through MLflow's default URI: make it ours
+        keep_env_uri(lambda: mlflow.set_tracking_uri(self.uri))
+        return register_version(self.client, self.run_id, p["register_as"], "", p["tags"], model_id=model_id)
 
     def _went_offline(self, err: Exception) -> None:
         self._offline_until = time.monotonic() + OFFLINE_RETRY_S

@@ -18,9 +18,11 @@ from mlflow.tracking import MlflowClient
 from tlt.spool import Spool
 from tlt.tracking.base import (NullTracker, default_artifact_location, default_spool_dir, default_tracking_uri,
                                keep_env_uri, unsent_message)
-from tlt.tracking.registry import register_version
 from tlt.tracking.sender import SpoolSender, log
 from tlt.tracking.transient import is_transient
+
+EXPERIMENT_KIND = "mlflow.experimentKind"  # read by MLflow 3's UI; "genai_development" is the other kind
+TRAINING_KIND = "custom_model_development"
 
 
 def open_client(uri: str | None) -> tuple[str, MlflowClient]:
@@ -36,11 +38,24 @@ def open_client(uri: str | None) -> tuple[str, MlflowClient]:
     return uri, MlflowClient(uri)
 
 
+def open_experiment(client: MlflowClient, name: str) -> str:
+    """The id of experiment `name`, created if needed, tagged as a model-training experiment (the
+    tag MLflow's UI sets when a user picks the kind; MLflow 3.17's UI itself picks its view from
+    its own switch or the URL, see `readers.run_link`); a kind already chosen is kept."""
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, artifact_location=default_artifact_location(name),
+                                        tags={EXPERIMENT_KIND: TRAINING_KIND})
+    if EXPERIMENT_KIND not in exp.tags:
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, TRAINING_KIND)
+    return exp.experiment_id
+
+
 class MlflowTracker(SpoolSender, NullTracker):
     """One MLflow run. Pass `run_id` to continue an existing run (resume).
 
     Outages: when the store cannot be reached (a connection error, a timeout, a 5xx answer; any
-    other error raises), metric batches, params, tags, artifacts, registrations and the final
+    other error raises), metric batches, params, tags, artifacts, logged models and the final
     status are appended in order to a JSONL spool (`<spool_dir>/<run_id>.jsonl`, default
     mlflow/spool/ or $TLT_MLFLOW_SPOOL_DIR; artifacts are copied next to it) and sent, oldest
     first, by the next call that reaches the store, by `end()` (which retries for up to
@@ -54,9 +69,7 @@ class MlflowTracker(SpoolSender, NullTracker):
                  tags: dict[str, str] | None = None, run_id: str | None = None, system_metrics: bool = False,
                  spool_dir: str | Path | None = None, flush_timeout_s: float = 0.0):
         uri, client = open_client(uri)
-        exp = client.get_experiment_by_name(experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(
-            experiment, artifact_location=default_artifact_location(experiment))
+        exp_id = open_experiment(client, experiment)
         resumed = run_id is not None
         if run_id is None:
             run_id = client.create_run(exp_id, run_name=run_name, tags=tags or {}).info.run_id
@@ -137,19 +150,23 @@ class MlflowTracker(SpoolSender, NullTracker):
                 raise
             log.warning("could not log dataset %s to MLflow: %s", name, err)
 
-    def register(self, name: str, artifact_path: str, tags: dict[str, str] | None = None) -> str | None:
-        """Register an artifact folder of this run as a version of model `name`; returns the version.
+    def log_model(self, local_dir: str | Path, name: str, register_as: str | None = None,
+                  tags: dict[str, str] | None = None, step: int = 0) -> str | None:
+        """The folder as a logged model `name` of this run (MLflow's "Logged models", output of the
+        run at `step`), registered as a new version of `register_as` when given; returns the version.
 
-        During an outage the registration is spooled after the artifacts it points at (sent, in
+        During an outage the folder is copied next to the spool and the call spooled (sent, in
         order, once the store is back) and None is returned: the caller cannot promote a version
         it does not know yet, but nothing is lost."""
-        version: list[str] = []
-        if self._online(lambda: version.append(register_version(
-                self.client, self.run_id, name, self.artifact_uri(artifact_path), tags or {}))):
+        payload = {"local": str(local_dir), "name": name, "register_as": register_as, "tags": tags or {}, "step": step}
+        version: list[str | None] = []
+        if self._online(lambda: version.append(self._log_model(payload))):
             return version[0]
-        self._spool_append("register", {"name": name, "artifact_path": artifact_path, "tags": tags or {}})
-        log.warning("MLflow store %s unreachable: the registration of model '%s' is spooled and happens when the "
-                    "store is back", self.uri, name)
+        stage = self._spool.stage(Path(local_dir).name)
+        shutil.copytree(local_dir, stage)
+        self._spool_append("model", {**payload, "local": str(stage)})
+        log.warning("MLflow store %s unreachable: the model '%s'%s is spooled and logged when the store is back",
+                    self.uri, name, f" (to be registered as '{register_as}')" if register_as else "")
         return None
 
     def end(self, status: str = "FINISHED") -> bool:
