@@ -12,7 +12,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv run test test-vllm test-ui ui bench clean
+.PHONY: venv run test test-ray test-vllm test-ui ui bench clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,12 @@ run: venv
 	$(BIN)/tlt run $(CONFIG)
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not vllm and not browser" tests
+	$(BIN)/python -m pytest -q -m "not vllm and not browser and not ray" tests
+
+# Scale-out on Ray: installs the `ray` extra into .venv, then the tests that start local Ray instances.
+test-ray: venv
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,ray]'
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m ray tests/test_ray.py tests/test_ray_e2e.py
 
 test-vllm: venv
 	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py tests/test_vllm_backend.py

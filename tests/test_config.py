@@ -45,6 +45,24 @@ def test_cross_field_check():
         build_config({"rl": {"clip_low": 0.3, "clip_high": 0.2}})
 
 
+@pytest.mark.parametrize("sets, match", [
+    (["trainer.world_size=2", "cluster.backend=ray"], "set trainer.backend: deepspeed"),
+    (["trainer.world_size=2", "trainer.backend=deepspeed"], "set cluster.backend: ray"),
+    (["cluster.backend=ray", "rollout.workers=2"], "cluster.rollout_actors; set rollout.workers: 1"),
+    (["cluster.backend=ray", "rollout.backend=vllm"], "set rollout.backend: torch"),
+])
+def test_cluster_cross_checks(sets, match):
+    with pytest.raises(ConfigError, match=match):
+        build_config(overrides=sets)
+
+
+def test_cluster_defaults_are_local_and_ray_config_loads():
+    assert build_config().cluster.backend == "local" and build_config().trainer.world_size == 1
+    cfg = load_config(ROOT / "conf" / "smoke.yaml", ["cluster.backend=ray", "trainer.world_size=2",
+                                                     "cluster.rollout_actors=2", "trainer.backend=deepspeed"])
+    assert (cfg.cluster.rollout_actors, cfg.trainer.world_size, cfg.cluster.address) == (2, 2, "")
+
+
 def test_overrides_parse_yaml_scalars():
     cfg = build_config(overrides=["rl.steps=3", "rollout.spec=false", "data.path=x.jsonl", "drafter.aux_layer_ids=[1,2,3]"])
     assert cfg.rl.steps == 3 and cfg.rollout.spec is False and cfg.data.path == "x.jsonl"

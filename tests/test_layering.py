@@ -27,6 +27,14 @@ def test_only_tracking_imports_mlflow():
     assert "mlflow" not in _imports(tracking / "base.py"), "tlt/tracking/base.py (NullTracker) stays mlflow-free"
 
 
+def test_only_cluster_imports_ray():
+    """ray is an optional extra (`.[ray]`): only tlt/cluster/ imports it; the pipeline reaches it
+    through a deferred `from tlt.cluster import ...` when cluster.backend is ray."""
+    cluster = ROOT / "tlt" / "cluster"
+    bad = [p for p in (ROOT / "tlt").rglob("*.py") if "ray" in _imports(p) and not p.is_relative_to(cluster)]
+    assert not bad, f"only tlt/cluster/ may import ray: {bad}"
+
+
 def test_tlt_does_not_import_flows_or_tasks_statically():
     bad = [p for p in (ROOT / "tlt").rglob("*.py") if _imports(p) & {"flows", "tasks"}]
     assert not bad, f"tlt/ must not import flows/tasks at module level: {bad}"

@@ -266,11 +266,13 @@ class Pipeline:
     # -- stage 4: RL steps -----------------------------------------------------------------------
     def start_steps(self) -> StepContext:
         """What the RL steps share (rollout engine, updater, prompt sampler, reward, refresher),
-        built once. With `rollout.workers` > 1 this starts the worker processes; `resume()` and
+        built once. With `rollout.workers` > 1 (or on Ray) this starts the workers (actors); `resume()` and
         `rl_step()` call it, so the first of them pays for the start-up."""
         if self.ctx is None:
-            self.ctx = StepContext(cfg=self.cfg, model=self.model, tokenizer=self.tokenizer, engine=self._rollout_engine(),
-                                   updater=make_updater(self.model, self.cfg),
+            engine = self._rollout_engine()
+            updater = self.pool.updater if self.cfg.cluster.backend == "ray" else make_updater(self.model, self.cfg)
+            self.ctx = StepContext(cfg=self.cfg, model=self.model, tokenizer=self.tokenizer, engine=engine,
+                                   updater=updater,
                                    sampler=PromptSampler(self.dataset.train, seed=self.cfg.data.seed),
                                    reward_fn=get_reward_fn(self.cfg.rl.reward), encode=self.prompt_ids,
                                    refresher=self.refresher if self.cfg.drafter.refresh_every or
@@ -278,8 +280,16 @@ class Pipeline:
         return self.ctx
 
     def _rollout_engine(self):
-        """The RL steps' rollout engine: this process's engine, or `rollout.workers` worker processes."""
+        """The RL steps' rollout engine: this process's engine, `rollout.workers` worker processes, or
+        (cluster.backend: ray) rollout actors in the run's placement group, placement logged to MLflow."""
         r = self.cfg.rollout
+        if self.cfg.cluster.backend == "ray":
+            from tlt.cluster import RayRun  # deferred: ray is an optional extra ('.[ray]'), imported only there
+
+            self.pool = RayRun.start(self.cfg, self.model, self.drafter, self.eos_ids, self.tokenizer.pad_token_id)
+            self.tracker.log_params(self.pool.params())
+            self.tracker.log_metrics(self.pool.metrics(), step=0)
+            return self.pool.engine
         if r.workers <= 1:
             return self.engine
         self.pool = WorkerPool(self.model, r, self.eos_ids, self.tokenizer.pad_token_id, r.workers,

@@ -15,6 +15,7 @@ from tlt.config.loading import (
     reference_markdown,
 )
 from tlt.config.stages import (
+    ClusterConfig,
     DataConfig,
     DeployConfig,
     DrafterConfig,
@@ -32,7 +33,7 @@ from tlt.config.stages import (
 )
 
 __all__ = [
-    "ConfigError", "DataConfig", "DeployConfig", "DrafterConfig", "EvalConfig", "ExportConfig", "GeneratorSpec",
+    "ClusterConfig", "ConfigError", "DataConfig", "DeployConfig", "DrafterConfig", "EvalConfig", "ExportConfig", "GeneratorSpec",
     "ModelConfig", "RLConfig", "RolloutConfig", "RunConfig", "SpecStrategy", "Stage", "TrackingConfig",
     "TrainerConfig", "apply_overrides", "build_config", "dump_yaml", "flatten", "load_config",
     "reference_markdown",

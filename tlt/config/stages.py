@@ -196,12 +196,30 @@ class RLConfig(Stage):
 
 class TrainerConfig(Stage):
     backend: Literal["torch", "deepspeed"] = Field("torch", description="Policy update backend")
+    world_size: int = Field(1, ge=1, le=1024, description="DeepSpeed ranks of the policy update (> 1: Ray actors "
+                            "forming one process group, gloo on CPU; needs cluster.backend: ray and backend: deepspeed)")
     zero_stage: int = Field(0, ge=0, le=2, description="DeepSpeed ZeRO stage")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
     checkpoint_dir: str = Field("runs", description="Root of run checkpoints")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every k RL steps")
     checkpoint_keep: int = Field(3, ge=1, description="Run checkpoints kept (older ones are pruned)")
+
+
+class ClusterConfig(Stage):
+    backend: Literal["local", "ray"] = Field("local", description="local: everything in this process tree; ray: "
+                                             "rollout engines and trainer ranks as Ray actors in one placement group")
+    address: str = Field("", description="Ray cluster: '' = a local Ray instance started for the run; 'auto' or "
+                         "'ray://host:port' = an existing cluster")
+    rollout_actors: int = Field(1, ge=1, le=1024, description="Rollout engine actors (GRPO groups sharded across them)")
+    rollout_actor_cpus: float = Field(1.0, gt=0, description="CPUs reserved per rollout actor (its torch threads)")
+    rollout_actor_gpus: float = Field(0.0, ge=0, description="GPUs reserved per rollout actor")
+    trainer_cpus: float = Field(1.0, gt=0, description="CPUs reserved per trainer rank (trainer.world_size > 1)")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved per trainer rank (trainer.world_size > 1)")
+    max_restarts: int = Field(3, ge=0, description="Restarts of a dead rollout actor; its shard is re-run on the "
+                              "restarted actor with the current policy version")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement-group strategy of the run's bundles")
 
 
 class EvalConfig(Stage):
@@ -254,6 +272,7 @@ class RunConfig(Stage):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
@@ -267,4 +286,15 @@ class RunConfig(Stage):
             raise ValueError(f"rl.reward '{self.rl.reward}' is unknown; use auto, math, reasoning_gym or 'module:function'")
         if self.trainer.zero_stage and self.trainer.backend != "deepspeed":
             raise ValueError("trainer.zero_stage needs trainer.backend: deepspeed; set it or drop zero_stage")
+        self._cluster_checks()
         return self
+
+    def _cluster_checks(self) -> None:
+        if self.trainer.world_size > 1 and self.trainer.backend != "deepspeed":
+            raise ValueError("trainer.world_size > 1 runs DeepSpeed ZeRO ranks: set trainer.backend: deepspeed")
+        if self.trainer.world_size > 1 and self.cluster.backend != "ray":
+            raise ValueError("trainer.world_size > 1 places the trainer ranks as Ray actors: set cluster.backend: ray")
+        if self.cluster.backend == "ray" and self.rollout.workers > 1:
+            raise ValueError("cluster.backend: ray shards rollouts over cluster.rollout_actors; set rollout.workers: 1")
+        if self.cluster.backend == "ray" and self.rollout.backend != "torch":
+            raise ValueError("cluster.backend: ray runs the torch rollout engine in actors; set rollout.backend: torch")

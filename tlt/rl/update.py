@@ -123,15 +123,19 @@ def detached(out: ForwardOut) -> ForwardOut:
 
 
 def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, before_micro=None,
-                aux_layer_ids: list[int] | None = None, on_forward: OnForward | None = None) -> dict:
+                aux_layer_ids: list[int] | None = None, on_forward: OnForward | None = None,
+                denom: float | None = None) -> dict:
     """Forward/backward every micro-batch; `backward(loss)` is the backend's backward.
 
     `on_forward(start, micro_batch, outputs)` sees each micro-batch's detached forward (rows
     start.. of `batch`, trimmed to the micro-batch's width), with hidden states at `aux_layer_ids`.
+    `denom`: the loss's token count (default: this batch's response tokens; a data-parallel rank
+    passes the whole batch's count over the world size, as its gradients are averaged over ranks).
     """
     if len(batch) == 0:
         raise ValueError("empty PolicyBatch: nothing to update (were all groups filtered out?)")
-    denom = float(batch.response_mask.sum().clamp(min=1))
+    if denom is None:
+        denom = float(batch.response_mask.sum().clamp(min=1))
     acc: dict[str, float] = {}
     starts = list(range(0, len(batch), micro))
     for i, start in enumerate(starts):
@@ -241,14 +245,14 @@ class DeepSpeedUpdater:
         return self.engine
 
     def step(self, batch: PolicyBatch, aux_layer_ids: list[int] | None = None,
-             on_forward: OnForward | None = None) -> dict[str, float]:
-        """One optimizer step on the whole batch -> policy/* metrics (on_forward: see `_accumulate`)."""
+             on_forward: OnForward | None = None, denom: float | None = None) -> dict[str, float]:
+        """One optimizer step on the whole batch -> policy/* metrics (on_forward, denom: see `_accumulate`)."""
         engine = self._ensure_engine()
         was_training = self.model.training
         engine.train()
         acc = _accumulate(engine, batch, self.rl, self.trainer.micro_batch_size,
                           lambda loss: engine.backward(loss), engine.set_gradient_accumulation_boundary,
-                          aux_layer_ids=aux_layer_ids, on_forward=on_forward)
+                          aux_layer_ids=aux_layer_ids, on_forward=on_forward, denom=denom)
         # ZeRO 1/2 record the pre-clip norm; stage 0 clips without keeping it, so measure it here.
         grad_norm = _grad_norm(self.model.parameters()) if self.trainer.zero_stage == 0 else None
         engine.step()
@@ -261,14 +265,16 @@ class DeepSpeedUpdater:
         """Optimizer state, reduced to what `torch.load(weights_only=True)` accepts."""
         return _plain(self._ensure_engine().optimizer.state_dict())
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict | list[dict]) -> None:
+        """`state`: this rank's `state_dict()`, or (data parallel, tlt.cluster) every rank's, in rank order."""
         engine = self._ensure_engine()
+        states = state if isinstance(state, list) else [state]
         if self.trainer.zero_stage == 0:
-            engine.optimizer.load_state_dict(state)
+            engine.optimizer.load_state_dict(states[int(os.environ.get("RANK", "0"))])
         else:
             # fp32 master weights are refreshed from the model's parameters: loading optimizer
-            # state never changes the weights (same as TorchUpdater).
-            engine.optimizer.load_state_dict([state], load_optimizer_states=True, load_from_fp32_weights=False)
+            # state never changes the weights (same as TorchUpdater). ZeRO picks its rank's entry.
+            engine.optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=False)
 
     def close(self) -> None:
         """Release the engine and the process group it created (idempotent)."""

@@ -1,0 +1,195 @@
+"""Rollout engines as Ray actors: `RayRolloutPool` shards GRPO groups over `cluster.rollout_actors`
+actors, each a long-lived `RolloutEngine` (its KV cache, weights and tuner stay across steps).
+
+Weights travel through the object store: after every RL step's update (`sync`), and before a
+rollout when a version counter shows the policy or drafter changed since (a resumed checkpoint),
+their state is `ray.put` once for the new version and every actor loads that one object. Each
+shard's result carries the version its actor decoded with; a mismatch is an error, so a rollout
+never mixes policies. A dead actor (killed, OOM, node lost) is restarted by Ray (`max_restarts`);
+the pool reloads the current version into it and re-runs that shard, so the step completes with
+nothing lost. Same `Engine` contract as `tlt.rollout.workers.WorkerPool`, whose shard/merge it
+reuses (shard i samples with seed `seed + i`), so outputs equal the local pool's.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+import ray
+import torch
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from tlt.cluster.placement import RayPlacement
+from tlt.config import RolloutConfig
+from tlt.drafter.model import Eagle3Drafter
+from tlt.faults import fault
+from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.state import RolloutBatch
+from tlt.rollout.tuner import StrategyTuner
+from tlt.rollout.workers import merge_batches, shard_sizes
+
+_RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back
+
+
+class RolloutActor:
+    """One engine in its own Ray worker process; weights arrive with `load(version, weights)`."""
+
+    def __init__(self, rank: int, model_cls, model_config, dtype: torch.dtype, rollout_json: str, eos_ids: list[int],
+                 pad_id: int, threads: int, tuner_seed: int | None, drafter_args: tuple | None):
+        torch.set_num_threads(threads)
+        cfg = RolloutConfig.model_validate_json(rollout_json)
+        self.rank, self.version = rank, -1  # -1: random init, no policy loaded yet
+        device = "cuda" if ray.get_gpu_ids() else "cpu"  # Ray shows a GPU actor its device(s) only
+        self.model = model_cls(model_config).to(device=device, dtype=dtype).eval()
+        self.drafter = None
+        if drafter_args is not None:
+            vd, aux_ids = drafter_args
+            self.drafter = Eagle3Drafter(model_config, self.model.get_input_embeddings().weight, vd, aux_ids)
+            self.drafter = self.drafter.to(device).eval()
+        tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
+        self.engine = RolloutEngine(self.model, cfg, eos_ids, pad_id, drafter=self.drafter, tuner=tuner)
+
+    def load(self, version: int, weights: dict) -> int:
+        with torch.no_grad():
+            self.model.load_state_dict(weights["policy"], strict=True)
+            if self.drafter is not None:
+                self.drafter.load_state_dict(weights["drafter"], strict=True)
+        self.version = version
+        return version
+
+    def generate(self, prompts: list[list[int]], kwargs: dict) -> tuple[RolloutBatch, int]:
+        if not ray.get_runtime_context().was_current_actor_reconstructed:
+            fault("rollout_actor", self.rank)  # crash tests: kill this actor at its first shard, once
+        return self.engine.generate(prompts, **kwargs), self.version
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _signature(modules) -> tuple:
+    """Changes whenever a tensor is modified in place (torch's version counter) or rebound."""
+    return tuple((t.data_ptr(), t._version) for m in modules for t in m.state_dict().values())
+
+
+class RayRolloutPool:
+    """`cluster.rollout_actors` rollout actors in the run's placement group (bundles 0..n-1)."""
+
+    def __init__(self, placement: RayPlacement, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int,
+                 drafter=None, seed: int = 0):
+        self.cfg, self.placement = cfg, placement
+        self.n = placement.cfg.rollout_actors
+        self.tuner = None  # each actor keeps its own bandit (not part of run checkpoints)
+        self.history = None  # and its own n-gram prompt history
+        self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
+        self.version, self.rollout_version, self.restarts = -1, -1, 0
+        self._sig, self._ref = None, None
+        c = placement.cfg
+        env = {k: os.environ[k] for k in ("TLT_FAULT",) if k in os.environ}
+        dargs = None if self._drafter is None else (self._drafter.draft_vocab_size, self._drafter.aux_layer_ids)
+        remote = ray.remote(RolloutActor)
+        self.actors = [remote.options(
+            num_cpus=c.rollout_actor_cpus, num_gpus=c.rollout_actor_gpus, max_restarts=c.max_restarts,
+            max_task_retries=0, scheduling_strategy=placement.strategy(rank), name=None,
+            runtime_env={"env_vars": env} if env else None).remote(
+                rank, type(model), model.config, next(model.parameters()).dtype, cfg.model_dump_json(), list(eos_ids), pad_id,
+                max(1, int(c.rollout_actor_cpus)), (seed * 1000 + rank) if cfg.tuner else None, dargs)
+            for rank in range(self.n)]
+        self._push()
+
+    def _modules(self) -> list:
+        return [self._model] + ([self._drafter] if self._drafter is not None else [])
+
+    def _push(self, force: bool = False) -> bool:
+        """Put the weights in the object store once per version and load them on every actor;
+        unless `force`d, only when a version counter or storage moved since the last push."""
+        sig = _signature(self._modules())
+        if sig == self._sig and not force:
+            return False
+        self.version += 1
+        weights = {"policy": self._model.state_dict()}
+        if self._drafter is not None:
+            weights["drafter"] = self._drafter.state_dict()
+        self._ref, self._sig = ray.put(weights), sig
+        for ref in [a.load.remote(self.version, self._ref) for a in self.actors]:
+            try:
+                ray.get(ref)
+            except RayActorError:
+                pass  # died meanwhile: restarted with no policy (version -1), reloaded by `generate`
+        return True
+
+    def sync(self, model=None) -> dict[str, float]:
+        """After an RL step's update: push a new version, always (ZeRO 1/2 write the parameters
+        through `.data` views, which torch's version counters do not see). `model` is ignored: the
+        pool pushes the model it was built on. Returns the version this step's rollout decoded
+        with and the one pushed."""
+        pushed = self._push(force=True)
+        return {"rollout/policy_version": float(self.rollout_version), "cluster/weights_version": float(self.version),
+                "cluster/weights_pushed": float(pushed), "cluster/actor_restarts": float(self.restarts)}
+
+    def _submit(self, rank: int, shard: tuple[list, dict]):
+        return self.actors[rank].generate.remote(*shard)
+
+    def _retry(self, rank: int, err: Exception | None) -> None:
+        """The actor died: Ray restarts it (random weights); load the current version (the shard is
+        then re-run). Ray gives up after `cluster.max_restarts`: the error names the actor."""
+        self.restarts += 1
+        deadline = time.monotonic() + _RESTART_TIMEOUT_S
+        while True:
+            try:
+                ray.get(self.actors[rank].load.remote(self.version, self._ref))
+                return
+            except ActorUnavailableError:  # still restarting
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+            except ActorDiedError as again:
+                raise RuntimeError(f"rollout actor {rank} is dead after {self.restarts} restart(s) "
+                                   f"(cluster.max_restarts={self.placement.cfg.max_restarts})") from (err or again)
+
+    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
+        """Same contract as `WorkerPool.generate`; `on_tail` fires when the first shard is back."""
+        self._push()  # weights changed outside an RL step's sync (a resumed checkpoint, a reload)
+        shards, start = [], 0
+        for i, size in enumerate(shard_sizes(len(prompts), self.n)):
+            shards.append((prompts[start:start + size], dict(
+                group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                seed=seed + i, spec=spec, spec_threshold=spec_threshold)))
+            start += size
+        t0 = time.perf_counter()
+        pending = {self._submit(i, s): i for i, s in enumerate(shards)}
+        parts: dict[int, RolloutBatch] = {}
+        finished_at: dict[int, float] = {}
+        while pending:
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            rank = pending.pop(ref)
+            try:
+                batch, version = ray.get(ref)
+            except RayActorError as err:  # died during the shard
+                self._retry(rank, err)
+                pending[self._submit(rank, shards[rank])] = rank
+                continue
+            if version == -1:  # died and was restarted since its last load: no policy in it
+                self._retry(rank, None)
+                pending[self._submit(rank, shards[rank])] = rank
+                continue
+            if version != self.version:
+                raise RuntimeError(f"rollout actor {rank} decoded with policy version {version}, not {self.version}")
+            parts[rank], finished_at[rank] = batch, time.perf_counter()
+            if len(parts) == 1 and len(shards) > 1 and on_tail is not None:
+                on_tail(len(shards) - 1)  # an actor is idle while the others finish their tails
+        wall = time.perf_counter() - t0
+        self.rollout_version = self.version
+        idle = sum(t0 + wall - t for t in finished_at.values())
+        return merge_batches([parts[i] for i in range(len(shards))], group_size, wall, idle)
+
+    def pids(self) -> list[int]:
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
