@@ -7,6 +7,7 @@ YAML recipe or a `--set` override fails with the dotted key and the nearest vali
 from __future__ import annotations
 
 from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -255,8 +256,6 @@ class DeployConfig(Stage):
     @field_validator("timezone")
     @classmethod
     def _known_zone(cls, tz: str) -> str:
-        from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
-
         try:
             ZoneInfo(tz)
         except (ZoneInfoNotFoundError, ValueError):

@@ -62,10 +62,22 @@ def vllm_python(python: str | Path | None = None) -> Path:
         "vllm installed, or set rollout.backend=torch.")
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_sum(t: torch.Tensor) -> int:
+    """Sum of the tensor's raw bit patterns (as integers): any write that changes a value changes it
+    (no float rounding can absorb a tiny update), one pass over the data on its own device."""
+    flat = t.detach().contiguous().reshape(-1)
+    return int(flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64))
+
+
 def fingerprint(module) -> tuple:
-    """(identity, version counter) of every parameter and buffer: changes when any of them is written
-    in place (optimizer steps, load_state_dict) or replaced; costs no pass over the data."""
-    return tuple((k, id(t), t._version) for k, t in module.state_dict(keep_vars=True).items())
+    """(name, identity, bit sum) of every parameter and buffer: changes when any of them is written
+    or replaced. The content, not torch's version counter: DeepSpeed ZeRO-1/2 write the updated
+    weights through their flat buffers, which leaves the parameters' version counters unchanged
+    (measured: a ZeRO-2 step changed every tensor and no counter)."""
+    return tuple((k, id(t), bits_sum(t)) for k, t in module.state_dict(keep_vars=True).items())
 
 
 def digest(module) -> str:
@@ -80,7 +92,7 @@ def digest(module) -> str:
 
 def _embedding_fingerprint(model) -> tuple:
     mods = (model.get_input_embeddings(), model.get_output_embeddings())
-    return tuple((id(m.weight), m.weight._version) for m in mods if m is not None)
+    return tuple((id(m.weight), bits_sum(m.weight)) for m in mods if m is not None)
 
 
 def _work_root(run_dir: Path, need_bytes: int) -> Path:
