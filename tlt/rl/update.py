@@ -192,7 +192,7 @@ def _grad_norm(params) -> float:
 def _single_process_env() -> list[str]:
     """Set the world-size-1 rendezvous variables that are missing (else DeepSpeed looks for MPI
     and fails on mpi4py); returns the names it set, so `close()` can unset them."""
-    from tlt.services import free_port
+    from tlt.services import free_port  # deferred: only a DeepSpeed rendezvous needs it
 
     wanted = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     added = [k for k in (*wanted, "MASTER_PORT") if k not in os.environ]
@@ -233,7 +233,7 @@ class DeepSpeedUpdater:
         if self.engine is not None:
             return self.engine
         import deepspeed  # heavy import, only on this backend
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred with deepspeed, as above
 
         self._env_added = _single_process_env()
         # At world size 1 the shm collective op is useless and its JIT build takes ~65 s.
@@ -280,8 +280,8 @@ class DeepSpeedUpdater:
         """Release the engine and the process group it created (idempotent)."""
         if self.engine is None:
             return
-        import deepspeed.comm as ds_dist
-        import torch.distributed as dist
+        import deepspeed.comm as ds_dist  # deferred: heavy import, only on this backend
+        import torch.distributed as dist  # deferred with deepspeed, as above
 
         self.engine.destroy()
         self.engine = None

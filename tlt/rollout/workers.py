@@ -58,6 +58,7 @@ def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idl
 def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, rollout_json: str, eos_ids, pad_id,
             threads: int, tuner_seed: int | None, cmd, res) -> None:
     torch.set_num_threads(threads)
+    # deferred: this runs in the spawned worker process, which imports only what it decodes with
     from tlt.config import RolloutConfig
     from tlt.rollout.engine import RolloutEngine
     from tlt.rollout.tuner import StrategyTuner
@@ -68,7 +69,7 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
     model.eval()
     drafter = None
     if drafter_args is not None:
-        from tlt.drafter.model import Eagle3Drafter
+        from tlt.drafter.model import Eagle3Drafter  # deferred: worker process, only with a drafter
 
         target_config, vd, aux_ids, state = drafter_args
         drafter = Eagle3Drafter(target_config, model.get_input_embeddings().weight, vd, aux_ids)
