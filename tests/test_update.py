@@ -160,3 +160,27 @@ def test_make_updater_picks_the_backend():
     cfg = RunConfig.model_validate({"trainer": {"backend": "deepspeed", "zero_stage": 1}})
     assert isinstance(make_updater(_model(), cfg), DeepSpeedUpdater)
     assert isinstance(make_updater(_model(), RunConfig()), TorchUpdater)
+
+
+def test_update_in_length_order_equals_rollout_order_with_less_padding():
+    """Rows sorted by length (trainer.group_by_length) give the same step as rollout order (the loss
+    is a token sum over the batch: only fp32 summation order differs) with less padding."""
+    from tlt.rl.step import padding_share, update_order
+    prompts, responses = PROMPTS * 2, [r * 9 if i % 3 == 0 else r for i, r in enumerate(RESPONSES * 2)]
+    ids, attn, resp, pos = make_batch(prompts, responses, pad_id=0)
+    keep = torch.tensor([True, True, False, True, True, True, True, True])
+    adv = torch.linspace(-1, 1, len(ids))
+    lengths = attn.sum(1)
+    models, results = (_model(), _model()), []
+    for model, by_length in zip(models, (False, True)):
+        idx = update_order(attn, keep, by_length)
+        assert sorted(idx.tolist()) == torch.nonzero(keep).squeeze(1).tolist()  # every kept row, once
+        assert by_length == bool((lengths[idx][:-1] >= lengths[idx][1:]).all())
+        batch = PolicyBatch(ids[idx], attn[idx], resp[idx], None, adv[idx], position_ids=pos[idx])
+        metrics = TorchUpdater(model, RLConfig(lr=LR), TrainerConfig(micro_batch_size=2)).step(batch)
+        results.append((metrics, padding_share(lengths[idx], 2)))
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, atol=PARAM_ATOL, rtol=0)
+    for key in ("policy/loss", "policy/entropy", "policy/grad_norm"):
+        assert results[1][0][key] == pytest.approx(results[0][0][key], rel=1e-5), key
+    assert results[1][1] < results[0][1]  # 0.16 vs 0.33 here

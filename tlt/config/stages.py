@@ -201,6 +201,9 @@ class TrainerConfig(Stage):
                             "forming one process group, gloo on CPU; needs cluster.backend: ray and backend: deepspeed)")
     zero_stage: int = Field(0, ge=0, le=2, description="DeepSpeed ZeRO stage")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward")
+    group_by_length: bool = Field(True, description="Micro-batches of rows of similar length (longest first), each "
+                                  "trimmed to its longest row: little padding on ragged, long-tail responses; "
+                                  "false = rollout order")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
     checkpoint_dir: str = Field("runs", description="Root of run checkpoints")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every k RL steps")

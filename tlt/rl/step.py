@@ -157,6 +157,25 @@ def _drafter_rows(ctx: StepContext, step: int, ids, attn, resp, out) -> None:
     ctx.refresher.add_rollouts(step, ids, attn, mask, out.aux, out.last_hidden)
 
 
+def update_order(attn: Tensor, keep: Tensor, by_length: bool) -> Tensor:
+    """Rows of the policy update: the kept ones, longest first when `by_length`, so each
+    micro-batch holds rows of similar length and is trimmed to little padding (a long-tail
+    rollout in rollout order pads most micro-batches to its longest answers). The loss is a
+    token sum over the batch, so the order changes the result only by fp32 summation order."""
+    idx = torch.nonzero(keep).squeeze(1)
+    if by_length:
+        idx = idx[attn[idx].sum(1).argsort(descending=True, stable=True)]
+    return idx
+
+
+def padding_share(lengths: Tensor, micro: int) -> float:
+    """Share of the update's forward positions that are padding: micro-batches of `micro`
+    consecutive rows, each trimmed to its longest row."""
+    runs = [lengths[i:i + micro] for i in range(0, len(lengths), micro)]
+    total = sum(len(r) * int(r.max()) for r in runs)
+    return 1.0 - int(lengths.sum()) / total if total else 0.0
+
+
 def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, timer: Timer) -> dict[str, float]:
     """Policy update on the kept rows; the drafter buffer gets every row's hidden states.
 
@@ -189,10 +208,12 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
     if keep.any():
         with timer("update_policy"):
             fault("update", step)
-            pb = PolicyBatch(input_ids=ids[keep], attention_mask=attn[keep], response_mask=resp[keep],
-                             old_logp=None if old_logp is None else old_logp[keep], advantages=adv[keep],
-                             position_ids=pos[keep])
+            idx = update_order(attn, keep, ctx.cfg.trainer.group_by_length)
+            pb = PolicyBatch(input_ids=ids[idx], attention_mask=attn[idx], response_mask=resp[idx],
+                             old_logp=None if old_logp is None else old_logp[idx], advantages=adv[idx],
+                             position_ids=pos[idx])
             metrics.update(ctx.updater.step(pb, aux_layer_ids=aux_ids if on_forward else None, on_forward=on_forward))
+            metrics["perf/update_padding_share"] = padding_share(attn[idx].sum(1), ctx.cfg.trainer.micro_batch_size)
     n = max(len(ids), 1)
     metrics["perf/target_forwards_per_sample"] = (len(separate) + int(keep.sum())) / n
     return metrics
