@@ -65,8 +65,8 @@ def share_drafter(drafter):
 
 def control_refresher(pipe, corpus, need_tokens: int):
     """The adaptive arm's refresher code on a copy of the warm-started drafter and optimizer, its
-    buffer filled once with warm-start corpus sequences (every position weighted 1, like the online
-    buffer's): a seeded random subset of >= `need_tokens` tokens, so a corpus loaded from the cache
+    buffer filled once with warm-start corpus sequences (prompt positions weighted as the online
+    buffer weighs them): a seeded random subset of >= `need_tokens` tokens, so a corpus loaded from the cache
     (no captured features) is re-forwarded only as far as the control can train on it."""
     from tlt.drafter.refresh import DrafterRefresher
     from tlt.drafter.train import DrafterTrainer
@@ -91,8 +91,9 @@ def control_refresher(pipe, corpus, need_tokens: int):
     sub.response_ids = [corpus.response_ids[i] for i in keep]
     if corpus.features is not None:
         sub.features = [corpus.features[i] for i in keep]
-    for s in corpus_samples(pipe.model, sub, drafter.aux_layer_ids, pipe.cfg):
-        ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], s["loss_mask"].bool())
+    for s, p in zip(corpus_samples(pipe.model, sub, drafter.aux_layer_ids, pipe.cfg), sub.prompt_ids):
+        resp = torch.arange(s["input_ids"].shape[0]) >= len(p)
+        ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], resp)
     return ref
 
 

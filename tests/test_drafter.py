@@ -301,6 +301,29 @@ def test_buffer_keeps_last_steps_and_token_bound():
         assert sum(int((b["seq_ids"] >= 0).sum()) for b in batches) == 100
 
 
+def test_buffer_weighs_prompt_positions_like_the_warmstart():
+    """Online samples keep response tokens at weight 1 and prompt positions at prompt_weight (the
+    warm-start's rule), so a refresh learns mostly from the fresh answers, not the chat template;
+    prompt_weight 0 trains response tokens only. token_counts stays response-only either way."""
+    from tlt.drafter.train import pack, weight_prompt
+
+    for pw in (0.0, 0.1):
+        buf = DraftBuffer(2, 100, prompt_weight=pw)
+        buf.add(0, torch.arange(8) % 5, torch.randn(8, 24), torch.randn(8, 8), torch.arange(8) >= 4)  # 4-token prompt
+        s = buf.samples()[0]
+        if pw == 0:
+            assert "loss_weight" not in s and s["loss_mask"].tolist() == [False] * 4 + [True] * 4
+        else:
+            assert s["loss_weight"].tolist() == pytest.approx([pw] * 4 + [1] * 4)
+            assert s["loss_mask"].tolist() == [False] + [True] * 7
+        assert int(buf.token_counts(5).sum()) == 4
+        # a packed position t is trained on token_{t+2}, at that token's weight
+        b = pack(buf.samples(), 64)[0]
+        w = (b["loss_weight"][0, :8] * b["loss_mask"][0, :8]).tolist()
+        assert w == pytest.approx([pw, pw, 1, 1, 1, 1, 0, 0])
+        assert weight_prompt(s, 0.0) is s
+
+
 def test_buffer_rejects_ragged():
     buf = DraftBuffer(2, 100)
     with pytest.raises(ValueError, match="lengths differ"):

@@ -147,12 +147,13 @@ def _run_update(fused: bool, keep=None, refresher=True, micro=2):
 
 
 def _assert_buffer_holds_every_row(buf, ref):
-    ids, attn, _, _ = _tensors()
+    ids, attn, resp, _ = _tensors()
     assert len(buf.rows) == len(ids)
     for i in range(len(ids)):
         n = int(attn[i].sum())
         mask, aux, last = buf.rows[tuple(ids[i, :n].tolist())]
-        assert mask.all()  # drafter.train_on_prompt (default): every real token
+        # the response tokens: the buffer weighs prompt positions itself (drafter.prompt_loss_weight)
+        assert torch.equal(mask.bool(), resp[i, :n].bool()) and mask.any() and not mask.all()
         torch.testing.assert_close(aux, ref.aux[i, :n], atol=FEATURE_ATOL, rtol=1e-5)
         torch.testing.assert_close(last, ref.last_hidden[i, :n], atol=FEATURE_ATOL, rtol=1e-5)
 

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from tlt.corpus import Corpus, vocab_coverage
-from tlt.drafter.train import DrafterTrainer, Sample, collect_samples, count_batches, pack
+from tlt.drafter.train import (DrafterTrainer, Sample, collect_samples, count_batches, pack, prompt_weight,
+                               weight_prompt)
 from tlt.rollout.engine import measure_accept
 from tlt.summaries import WarmstartSummary
 
@@ -73,12 +74,7 @@ def corpus_samples(model, corpus: Corpus, aux_ids: list[int], cfg, batch: int = 
     else:
         for i in tqdm(range(0, len(seqs), batch), desc="drafter features", unit="chunk"):
             out += collect_samples(model, seqs[i:i + batch], plens[i:i + batch], aux_ids, batch_size=16)
-    if d.train_on_prompt and d.prompt_loss_weight > 0:
-        for s in out:
-            resp = s["loss_mask"]
-            s["loss_weight"] = torch.where(resp, 1.0, d.prompt_loss_weight)
-            s["loss_mask"] = torch.arange(len(resp)) >= 1
-    return out
+    return [weight_prompt(s, prompt_weight(d)) for s in out]
 
 
 def response_counts(corpus: Corpus, vocab_size: int) -> torch.Tensor:

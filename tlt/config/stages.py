@@ -100,7 +100,8 @@ class DrafterConfig(Stage):
     train_on_prompt: bool = Field(True, description="Also learn the target's next-token distribution on prompt "
                                   "positions (packed batches compute them anyway), weighted by prompt_loss_weight")
     prompt_loss_weight: float = Field(0.1, ge=0, le=1, description="Loss weight of a prompt position relative to a "
-                                      "response position (with train_on_prompt)")
+                                      "response position (with train_on_prompt), in the warm-start and in "
+                                      "online refreshes")
     corpus_tokens: int = Field(16384, ge=256, description="Response tokens of the self-distilled warm-start corpus "
                                "(the target's own greedy + rollout-temperature answers to fresh task prompts)")
     corpus_prompts_per_batch: int = Field(64, ge=1, description="Prompts per batched generate() while the corpus is built")

@@ -13,21 +13,23 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from tlt.drafter.train import Sample, pack
+from tlt.drafter.train import Sample, pack, weight_prompt
 
 
 class DraftBuffer:
-    def __init__(self, max_steps: int, max_tokens: int):
+    def __init__(self, max_steps: int, max_tokens: int, prompt_weight: float = 0.0):
         if max_steps < 1 or max_tokens < 1:
             raise ValueError(f"DraftBuffer needs max_steps >= 1 and max_tokens >= 1, got {max_steps}, {max_tokens}")
         self.max_steps, self.max_tokens = max_steps, max_tokens
+        self.prompt_weight = prompt_weight  # loss weight of a prompt position (a response token's is 1)
         self._items: deque[tuple[int, Sample]] = deque()  # (rl step, sample), oldest first
         self.num_tokens = 0
         self.evicted_sequences = 0
         self.latest_step: int | None = None
 
     def add(self, step: int, input_ids: Tensor, aux: Tensor, target_hidden: Tensor, loss_mask: Tensor) -> None:
-        """Add one sequence: input_ids [T], aux [T,3H_t], target_hidden [T,H], loss_mask [T] bool."""
+        """Add one sequence: input_ids [T], aux [T,3H_t], target_hidden [T,H], loss_mask [T] bool
+        (True on response tokens; prompt positions are trained at `prompt_weight`)."""
         T = int(input_ids.shape[0])
         if aux.shape[0] != T or target_hidden.shape[0] != T or loss_mask.shape[0] != T:
             raise ValueError(f"buffer.add: lengths differ (ids {T}, aux {aux.shape[0]}, "
@@ -42,7 +44,8 @@ class DraftBuffer:
         self._evict()
 
     def add_rows(self, step: int, ids: Tensor, attn: Tensor, resp: Tensor, aux: Tensor, last_hidden: Tensor) -> None:
-        """Rows of the RL step's old-log-prob forward ([B,T,...], right padded) -> one sample each."""
+        """Rows of the RL step's forward ([B,T,...], right padded; resp True on response tokens)
+        -> one sample each."""
         for i in range(ids.shape[0]):
             n = int(attn[i].sum())
             self.add(step, ids[i, :n], aux[i, :n], last_hidden[i, :n], resp[i, :n])
@@ -71,8 +74,10 @@ class DraftBuffer:
         return sum(t.numel() * t.element_size() for _, s in self._items for t in s.values())
 
     def samples(self) -> list[Sample]:
-        """All sequences, oldest first, with aux/target_hidden as float32."""
-        return [{**s, "aux": s["aux"].float(), "target_hidden": s["target_hidden"].float()} for _, s in self._items]
+        """All sequences, oldest first, with aux/target_hidden as float32 and prompt positions
+        weighted `prompt_weight` (as the warm-start weighs them)."""
+        return [weight_prompt({**s, "aux": s["aux"].float(), "target_hidden": s["target_hidden"].float()},
+                              self.prompt_weight) for _, s in self._items]
 
     def batches(self, batch_tokens: int, rng: random.Random | torch.Generator | int | None = None
                 ) -> list[dict[str, Tensor]]:

@@ -10,7 +10,7 @@ import time
 import torch
 
 from tlt.drafter.buffer import DraftBuffer
-from tlt.drafter.train import DrafterTrainer
+from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
 
 
@@ -20,7 +20,7 @@ class DrafterRefresher:
     def __init__(self, trainer: DrafterTrainer, cfg, seed: int = 0):
         self.trainer, self.cfg = trainer, cfg
         self.drafter = trainer.drafter
-        self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens)
+        self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens, prompt_weight(cfg))
         self.rng = torch.Generator().manual_seed(seed)
         self.last_accept: float | None = None
         self.total_steps = 0

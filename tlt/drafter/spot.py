@@ -38,7 +38,7 @@ from tlt.checkpoint import load_checkpoint, load_pt, newest_verified, save_check
 from tlt.config import DrafterConfig
 from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.model import Eagle3Drafter
-from tlt.drafter.train import DrafterTrainer
+from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class SpotTrainer:
 
     def __init__(self, model, drafter, cfg, threads: int = 1, seed: int = 0, checkpoint_dir: Path | str | None = None):
         self.drafter, self.cfg, self.threads = drafter, cfg, threads
-        self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens)
+        self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens, prompt_weight(cfg))
         self.rng = torch.Generator().manual_seed(seed)
         self._model = model
         self._embed = model.get_input_embeddings().weight.detach().clone().share_memory_()

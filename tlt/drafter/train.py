@@ -38,6 +38,21 @@ from tlt.drafter.model import Eagle3Drafter
 Sample = dict[str, Tensor]
 
 
+def prompt_weight(cfg) -> float:
+    """Loss weight of a prompt position under drafter config `cfg` (0 = response tokens only)."""
+    return cfg.prompt_loss_weight if cfg.train_on_prompt else 0.0
+
+
+def weight_prompt(sample: Sample, prompt_weight: float) -> Sample:
+    """`sample` (loss_mask True on response tokens) with its prompt positions trained too, at
+    `prompt_weight` relative to a response token (a new dict; 0 leaves the sample as it is)."""
+    if prompt_weight <= 0:
+        return sample
+    resp = sample["loss_mask"].bool()
+    return {**sample, "loss_weight": torch.where(resp, 1.0, prompt_weight),
+            "loss_mask": torch.arange(resp.shape[0]) >= 1}
+
+
 # ---- packing -----------------------------------------------------------------------------------
 def _shift(sample: Sample) -> dict[str, Tensor]:
     """Per-position training fields of one sample (length T, zero/False past the ends)."""

@@ -153,8 +153,7 @@ def _rewards(ctx: StepContext, rows, batch, timer: Timer):
 def _drafter_rows(ctx: StepContext, step: int, ids, attn, resp, out) -> None:
     """Hand the drafter buffer the hidden states of one forward over rows of the step's batch
     ([B,T,...]; TLT: its training data comes from a forward the RL step runs anyway, no extra pass)."""
-    mask = attn.bool() if ctx.cfg.drafter.train_on_prompt else resp
-    ctx.refresher.add_rollouts(step, ids, attn, mask, out.aux, out.last_hidden)
+    ctx.refresher.add_rollouts(step, ids, attn, resp, out.aux, out.last_hidden)
 
 
 def update_order(attn: Tensor, keep: Tensor, by_length: bool) -> Tensor:
