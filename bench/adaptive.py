@@ -1,14 +1,16 @@
 """The adaptive drafter under policy drift: frozen vs adaptive vs control on one policy trajectory.
 
     python bench/adaptive.py conf/default.yaml --json out.json [--steps 5] [--rl-lr 1e-4]
-        [--drafter-steps 4] [--eval-prompts 64] [--eval-tokens 48] [--set k=v ...]
+        [--drafter-steps 4] [--eval-prompts 64] [--eval-tokens 48] [--oracle-steps 32] [--set k=v ...]
 
 One Pipeline run (SD off in its rollouts: SD is lossless, so the policy does not depend on the
 drafter) with a raised `rl.lr` so the policy really drifts. Its own refresher is the *adaptive*
 arm: `drafter.refresh_steps` sequential drafter steps on the online buffer after every policy
 update (`drafter.spot: false`, a fixed step count, not wall-clock dependent). From the same
 warm-started drafter: *frozen* (never trained again) and *control* (the same refresher code and
-step count on the warm-start corpus: more training without fresh data).
+step count on the warm-start corpus: more training without fresh data). Optionally, on the final
+policy only, *oracle*: the adaptive drafter plus `--oracle-steps` steps on that policy's own rollouts
+(the freshness ceiling: data no online refresh has yet, and a step budget of the caller's).
 
 Metric, per policy snapshot t = 0 (before RL) .. steps: the policy's greedy responses on the
 held-out prompts, one target forward for their hidden states, then every drafter teacher-forced
@@ -95,6 +97,39 @@ def control_refresher(pipe, corpus, need_tokens: int):
         resp = torch.arange(s["input_ids"].shape[0]) >= len(p)
         ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], resp)
     return ref
+
+
+def oracle_drafter(pipe, n_prompts: int, n_steps: int, temperature: float):
+    """The freshness ceiling (final policy only): a copy of the adaptive drafter and its optimizer
+    trained `n_steps` more steps on rollouts of the *final* policy itself -- `n_prompts` training
+    prompts (seeded, disjoint from the held-out set) at the rollout temperature and length, their
+    features recorded by the decoding forwards. No online refresh can have this data before the
+    rollout that produces it, and the step count is the caller's, so the arm bounds what fresh data
+    plus more training buy this drafter on this policy."""
+    from tlt.drafter.refresh import DrafterRefresher
+    from tlt.drafter.train import DrafterTrainer
+
+    d, seed = pipe.cfg.drafter, pipe.cfg.rl.seed
+    drafter = share_drafter(pipe.drafter)
+    trainer = DrafterTrainer(drafter, d, pipe.model.get_output_embeddings().weight)
+    trainer.opt.load_state_dict(copy.deepcopy(pipe.refresher.trainer.opt.state_dict()))
+    trainer.num_steps = pipe.refresher.trainer.num_steps
+    ref = DrafterRefresher(trainer, d.model_copy(update={"refresh_steps": n_steps,
+                                                         "buffer_max_tokens": max(d.buffer_max_tokens, 1 << 22)}),
+                           seed=seed + 1)
+    train = list(pipe.dataset.train["prompt"])
+    pick = np.random.default_rng(seed + 1).permutation(len(train))[:n_prompts]
+    prompts = pipe.prompt_ids([train[i] for i in pick])
+    for i in range(0, len(prompts), 16):
+        chunk = prompts[i:i + 16]
+        out = pipe.engine.generate(chunk, temperature=temperature, seed=seed + 1 + i, spec=False,
+                                   capture=drafter.aux_layer_ids)
+        for p, r, (aux, fin) in zip(chunk, out.response_ids, out.features):
+            ids = torch.tensor(p + list(r), dtype=torch.long)
+            ref.buffer.add(0, ids, aux, fin, torch.arange(ids.shape[0]) >= len(p))
+    m = ref.refresh(0)
+    return drafter, {"steps": int(m.get("drafter/steps", 0)), "buffer_tokens": int(m.get("drafter/buffer_tokens", 0)),
+                     "train_s": m.get("drafter/train_s", 0.0), "prompts": len(prompts)}
 
 
 # ---------------------------------------------------------------- one policy snapshot
@@ -207,7 +242,8 @@ def sd_check(pipe, drafters: dict, out_dir: Path, row_prompts: int, max_new: int
 
 
 # ---------------------------------------------------------------- the run
-def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir: Path, tracker=None) -> dict:
+def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir: Path, tracker=None,
+        oracle_steps: int = 0, oracle_prompts: int = 64) -> dict:
     from tlt.pipeline import Pipeline
 
     pipe = Pipeline(cfg)
@@ -246,17 +282,28 @@ def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir
                   f"reward {m['reward/mean']:.3f}", flush=True)
         last = snaps[-1]
         from tlt.drafter.accept_eval import evaluate_drafter
-        again = evaluate_drafter(frozen, last["samples"], last["plens"], DEPTH, temp,
-                                 pipe.model.get_output_embeddings().weight)
-        recheck = bool(again.tokens.tolist() == last["evals"]["frozen"].tokens.tolist()
-                       and again.passes.tolist() == last["evals"]["frozen"].passes.tolist())
+
+        head = pipe.model.get_output_embeddings().weight
+        oracle = None
+        if oracle_steps:
+            od, info = oracle_drafter(pipe, oracle_prompts, oracle_steps, temp)
+            oracle = {**info, "eval": evaluate_drafter(od, last["samples"], last["plens"], DEPTH, temp, head)}
+            print(f"oracle: {info['steps']} steps on {info['prompts']} rollouts of the final policy "
+                  f"({info['buffer_tokens']} tokens) -> accept {oracle['eval'].accept_len:.3f}", flush=True)
+        # recomputed after the oracle trained its copy: the arms' drafters are untouched by it
+        recheck = {}
+        for name in ("frozen", "adaptive"):
+            again = evaluate_drafter(drafters[name], last["samples"], last["plens"], DEPTH, temp, head)
+            recheck[name] = bool(again.tokens.tolist() == last["evals"][name].tokens.tolist()
+                                 and again.passes.tolist() == last["evals"][name].passes.tolist())
         sd = sd_check(pipe, {"frozen": frozen, "adaptive": pipe.drafter}, out_dir, sd_prompts, max_new) \
             if sd_prompts else None
     finally:
         if pipe.refresher is not None:
             pipe.refresher.close()
-    return {"snaps": snaps, "steps": steps_log, "warmstart": ws, "frozen_recheck_equal": recheck, "sd_check": sd,
-            "cfg": cfg}
+    return {"snaps": snaps, "steps": steps_log, "warmstart": ws, "frozen_recheck_equal": recheck["frozen"],
+            "adaptive_recheck_equal": recheck["adaptive"], "sd_check": sd,
+            "cfg": cfg, "oracle": oracle}
 
 
 def log_snapshot(tracker, step: int, rec: dict) -> None:
@@ -298,9 +345,18 @@ def summarize(out: dict, steps: int, drafter_steps: int) -> dict:
            "drafter_share_of_rl_step": float(sum(dr_s) / max(sum(rl_s), 1e-9)),
            "reward_mean": [s["reward_mean"] for s in log],
            "frozen_recheck_equal": out["frozen_recheck_equal"],
+           "adaptive_recheck_equal": out["adaptive_recheck_equal"],
            "warmstart_accept_len": out["warmstart"].accept_len_after,
            "rl_lr": cfg.rl.lr, "rollout_temperature": cfg.rollout.temperature,
            "sd_check": out["sd_check"], "per_step": log}
+    if out.get("oracle"):
+        o = out["oracle"]
+        res.update({"accept_oracle": o["eval"].accept_len, "first_accept_oracle": o["eval"].first_accept,
+                    "oracle_gain_vs_frozen": o["eval"].accept_len / acc["frozen"][-1],
+                    "oracle_gain_vs_frozen_ci": paired_bootstrap(o["eval"], last["frozen"]),
+                    "oracle_gain_vs_adaptive": o["eval"].accept_len / acc["adaptive"][-1],
+                    "oracle_steps": o["steps"], "oracle_prompts": o["prompts"],
+                    "oracle_buffer_tokens": o["buffer_tokens"], "oracle_train_s": o["train_s"]})
     return res
 
 
@@ -316,6 +372,11 @@ def print_table(res: dict) -> None:
           f"x{res['gain_vs_control']:.3f}; drafter {res['drafter_steps_per_rl_step']:.1f} steps, "
           f"{res['drafter_s_per_rl_step']:.2f} s per RL step ({100 * res['drafter_share_of_rl_step']:.1f} % of "
           f"{res['rl_step_s']:.1f} s); frozen recomputed identically: {res['frozen_recheck_equal']}")
+    if "accept_oracle" in res:
+        lo, hi = res["oracle_gain_vs_frozen_ci"]
+        print(f"oracle (adaptive + {res['oracle_steps']} steps on the final policy's own rollouts): accept "
+              f"{res['accept_oracle']:.3f}, x{res['oracle_gain_vs_frozen']:.3f} vs frozen (95 % CI {lo:.3f}-{hi:.3f}), "
+              f"x{res['oracle_gain_vs_adaptive']:.3f} vs adaptive")
     for name, row in (res["sd_check"] or {}).items():
         print(f"SD check {name:>8}: x{row['speedup_vs_plain']:.2f} vs plain at batch 1, accept {row['accept_len']:.2f}"
               f" (measure_accept greedy {row['accept_len_greedy_measure']:.2f}), greedy identical "
@@ -330,7 +391,10 @@ def log_to_mlflow(tracker, res: dict) -> None:
     tracker.log_metrics({"adaptive/gain_vs_frozen": res["gain_vs_frozen"],
                          "adaptive/gain_vs_control": res["gain_vs_control"],
                          "adaptive/gain_vs_frozen_ci_low": res["gain_vs_frozen_ci"][0],
-                         "adaptive/drafter_s_per_rl_step": res["drafter_s_per_rl_step"]}, step=res["steps"])
+                         "adaptive/drafter_s_per_rl_step": res["drafter_s_per_rl_step"],
+                         **({"adaptive/accept_len/oracle": res["accept_oracle"],
+                             "adaptive/oracle_gain_vs_frozen": res["oracle_gain_vs_frozen"]}
+                            if "accept_oracle" in res else {})}, step=res["steps"])
     fig = accept_vs_drift(res["drift_token_share"], {a: res[f"accept_{a}"] for a in ARMS}, res["kl"])
     tracker.log_figure(fig, "adaptive/accept_vs_drift.png")
     tracker.log_dict(res, "adaptive/result.json")
@@ -348,6 +412,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-tokens", type=int, default=48, help="greedy tokens per held-out prompt")
     ap.add_argument("--kl-prompts", type=int, default=16, help="held-out prompts of the KL estimate")
     ap.add_argument("--sd-prompts", type=int, default=8, help="prompts of the final SD check (0 = skip it)")
+    ap.add_argument("--oracle-steps", type=int, default=0,
+                    help="also an oracle arm on the final policy: the adaptive drafter plus this many steps on the "
+                    "final policy's own rollouts (0 = no oracle)")
+    ap.add_argument("--oracle-prompts", type=int, default=64, help="training prompts of the oracle's rollouts")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--mlflow-uri", default=None, help="tracking store (default: the project's mlflow/)")
     ap.add_argument("--no-mlflow", action="store_true")
@@ -375,7 +443,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         tracker = MlflowTracker("tlt-bench", run_name="adaptive", uri=args.mlflow_uri)
     try:
-        out = run(cfg, args.steps, args.eval_tokens, args.sd_prompts, args.kl_prompts, out_dir, tracker)
+        out = run(cfg, args.steps, args.eval_tokens, args.sd_prompts, args.kl_prompts, out_dir, tracker,
+                  oracle_steps=args.oracle_steps, oracle_prompts=args.oracle_prompts)
         res = summarize(out, args.steps, n_drafter)
         res["command"] = " ".join(["python bench/adaptive.py", *(argv if argv is not None else sys.argv[1:])])
         if tracker is not None:

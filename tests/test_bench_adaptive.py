@@ -38,6 +38,7 @@ def test_bench_adaptive_tiny_run(tmp_path, mlflow_uri):
     steps = 2
     res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", str(steps), "--drafter-steps", "2",
                       "--eval-prompts", "6", "--eval-tokens", "8", "--kl-prompts", "3", "--sd-prompts", "1",
+                      "--oracle-steps", "2", "--oracle-prompts", "3",
                       "--mlflow-uri", mlflow_uri, "--json", str(out_json), "--out-dir", str(tmp_path / "runs")])
     saved = json.loads(out_json.read_text())
     for key in ("drift_token_share", "kl", "accept_frozen", "accept_adaptive", "accept_control", "gain_vs_frozen",
@@ -53,6 +54,11 @@ def test_bench_adaptive_tiny_run(tmp_path, mlflow_uri):
     # every arm starts from the same warm-started drafter: identical at the start policy
     assert saved["accept_frozen"][0] == saved["accept_adaptive"][0] == saved["accept_control"][0]
     assert saved["frozen_recheck_equal"]  # the frozen arm's accept is recomputed identically
+    # the oracle trains a copy on the final policy's own rollouts; the adaptive drafter is untouched
+    assert saved["adaptive_recheck_equal"]
+    assert saved["oracle_steps"] == 2 and saved["oracle_prompts"] == 3 and saved["oracle_buffer_tokens"] > 0
+    assert 1.0 <= saved["accept_oracle"] <= bench.DEPTH + 1
+    assert saved["oracle_gain_vs_frozen"] == pytest.approx(saved["accept_oracle"] / saved["accept_frozen"][-1])
     assert saved["drafter_steps_per_rl_step"] == 2.0 and saved["drafter_s_per_rl_step"] > 0
     lo, hi = saved["gain_vs_frozen_ci"]
     assert 0 < lo <= hi
