@@ -43,6 +43,18 @@ DEPTH = 4
 ARMS = ("frozen", "adaptive", "control")
 
 
+def sibling(name: str):
+    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_arms = sibling("adaptive_arms")
+share_drafter, control_refresher, oracle_drafter = _arms.share_drafter, _arms.control_refresher, _arms.oracle_drafter
+
+
 def bench_config(config: str | None, overrides: list[str], steps: int, drafter_steps: int, rl_lr: float | None,
                  eval_prompts: int, out_dir: Path):
     """The run: SD off in the rollout, sequential refresh of `drafter_steps` steps after every update."""
@@ -54,82 +66,6 @@ def bench_config(config: str | None, overrides: list[str], steps: int, drafter_s
     if rl_lr is not None:
         base.append(f"rl.lr={rl_lr}")
     return load_config(config, base + list(overrides))
-
-
-def share_drafter(drafter):
-    """A deep copy of the drafter's weights that keeps the *target's* embedding and head shared
-    (EAGLE drafters read the current policy's embedding; only the drafter's own weights differ)."""
-    keep = {id(drafter.embed_weight): drafter.embed_weight}
-    if drafter.target_head is not None:
-        keep[id(drafter.target_head)] = drafter.target_head
-    return copy.deepcopy(drafter, memo=keep)
-
-
-def control_refresher(pipe, corpus, need_tokens: int):
-    """The adaptive arm's refresher code on a copy of the warm-started drafter and optimizer, its
-    buffer filled once with warm-start corpus sequences (prompt positions weighted as the online
-    buffer weighs them): a seeded random subset of >= `need_tokens` tokens, so a corpus loaded from the cache
-    (no captured features) is re-forwarded only as far as the control can train on it."""
-    from tlt.drafter.refresh import DrafterRefresher
-    from tlt.drafter.train import DrafterTrainer
-    from tlt.warmstart import corpus_samples
-
-    d = pipe.cfg.drafter
-    drafter = share_drafter(pipe.drafter)
-    trainer = DrafterTrainer(drafter, d, pipe.model.get_output_embeddings().weight)
-    trainer.opt.load_state_dict(copy.deepcopy(pipe.refresher.trainer.opt.state_dict()))
-    trainer.num_steps = pipe.refresher.trainer.num_steps
-    ref = DrafterRefresher(trainer, d.model_copy(update={"buffer_max_tokens": max(d.buffer_max_tokens, 1 << 22)}),
-                           seed=pipe.cfg.rl.seed)
-    order = np.random.default_rng(pipe.cfg.rl.seed).permutation(len(corpus))
-    keep, n = [], 0
-    for i in order:
-        if n >= need_tokens:
-            break
-        keep.append(int(i))
-        n += len(corpus.prompt_ids[i]) + len(corpus.response_ids[i])
-    sub = copy.copy(corpus)
-    sub.prompt_ids = [corpus.prompt_ids[i] for i in keep]
-    sub.response_ids = [corpus.response_ids[i] for i in keep]
-    if corpus.features is not None:
-        sub.features = [corpus.features[i] for i in keep]
-    for s, p in zip(corpus_samples(pipe.model, sub, drafter.aux_layer_ids, pipe.cfg), sub.prompt_ids):
-        resp = torch.arange(s["input_ids"].shape[0]) >= len(p)
-        ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], resp)
-    return ref
-
-
-def oracle_drafter(pipe, n_prompts: int, n_steps: int, temperature: float):
-    """The freshness ceiling (final policy only): a copy of the adaptive drafter and its optimizer
-    trained `n_steps` more steps on rollouts of the *final* policy itself -- `n_prompts` training
-    prompts (seeded, disjoint from the held-out set) at the rollout temperature and length, their
-    features recorded by the decoding forwards. No online refresh can have this data before the
-    rollout that produces it, and the step count is the caller's, so the arm bounds what fresh data
-    plus more training buy this drafter on this policy."""
-    from tlt.drafter.refresh import DrafterRefresher
-    from tlt.drafter.train import DrafterTrainer
-
-    d, seed = pipe.cfg.drafter, pipe.cfg.rl.seed
-    drafter = share_drafter(pipe.drafter)
-    trainer = DrafterTrainer(drafter, d, pipe.model.get_output_embeddings().weight)
-    trainer.opt.load_state_dict(copy.deepcopy(pipe.refresher.trainer.opt.state_dict()))
-    trainer.num_steps = pipe.refresher.trainer.num_steps
-    ref = DrafterRefresher(trainer, d.model_copy(update={"refresh_steps": n_steps,
-                                                         "buffer_max_tokens": max(d.buffer_max_tokens, 1 << 22)}),
-                           seed=seed + 1)
-    train = list(pipe.dataset.train["prompt"])
-    pick = np.random.default_rng(seed + 1).permutation(len(train))[:n_prompts]
-    prompts = pipe.prompt_ids([train[i] for i in pick])
-    for i in range(0, len(prompts), 16):
-        chunk = prompts[i:i + 16]
-        out = pipe.engine.generate(chunk, temperature=temperature, seed=seed + 1 + i, spec=False,
-                                   capture=drafter.aux_layer_ids)
-        for p, r, (aux, fin) in zip(chunk, out.response_ids, out.features):
-            ids = torch.tensor(p + list(r), dtype=torch.long)
-            ref.buffer.add(0, ids, aux, fin, torch.arange(ids.shape[0]) >= len(p))
-    m = ref.refresh(0)
-    return drafter, {"steps": int(m.get("drafter/steps", 0)), "buffer_tokens": int(m.get("drafter/buffer_tokens", 0)),
-                     "train_s": m.get("drafter/train_s", 0.0), "prompts": len(prompts)}
 
 
 # ---------------------------------------------------------------- one policy snapshot
@@ -204,28 +140,12 @@ def snapshot(pipe, prompts, max_new: int, drafters: dict, ref_model, start_respo
     return rec
 
 
-# ---------------------------------------------------------------- statistics
-def paired_bootstrap(a, b, n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> list[float]:
-    """CI of accept(a) / accept(b) over prompts resampled with replacement (pairs kept together);
-    a, b are AcceptEvals on the same prompts (accept = sum tokens / sum passes)."""
-    rng = np.random.default_rng(seed)
-    N = len(a.tokens)
-    idx = rng.integers(0, N, size=(n_boot, N))
-    ra = a.tokens[idx].sum(1) / np.maximum(a.passes[idx].sum(1), 1)
-    rb = b.tokens[idx].sum(1) / np.maximum(b.passes[idx].sum(1), 1)
-    ratio = ra / np.maximum(rb, 1e-9)
-    lo = (1 - level) / 2
-    return [float(np.quantile(ratio, lo)), float(np.quantile(ratio, 1 - lo))]
-
-
 # ---------------------------------------------------------------- the real SD check
 def sd_check(pipe, drafters: dict, out_dir: Path, row_prompts: int, max_new: int) -> dict:
     """bench/rollout.py at batch 1, tuner off, on the final policy, per arm (exported drafters)."""
     from tlt.export import export_eagle3
 
-    spec = importlib.util.spec_from_file_location("bench_rollout", ROOT / "bench" / "rollout.py")
-    rollout = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rollout)
+    rollout = sibling("rollout")
     out = {}
     for name, d in drafters.items():
         path = export_eagle3(d, pipe.model.config, out_dir / f"drafter_{name}", force=True)
@@ -259,51 +179,62 @@ def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir
     ref_model = copy.deepcopy(pipe.model).eval()  # pi_0, for KL(pi_t || pi_0)
     temp = cfg.rollout.temperature or 1.0
     snaps = [snapshot(pipe, prompts, max_new, drafters, ref_model, None, temp, kl_prompts)]
-    start = snaps[0]["responses"]
     log_snapshot(tracker, 0, snaps[0])
-    steps_log = []
     try:
-        for step in range(steps):
-            s = pipe.rl_step(step)
-            c = control.refresh(step)
-            m = s.metrics
-            steps_log.append({"step_s": m["timing_s/step"], "drafter_s": m.get("timing_s/update_drafter", 0.0),
-                              "drafter_steps": m.get("drafter/steps", 0.0), "control_steps": c.get("drafter/steps", 0.0),
-                              "reward_mean": m["reward/mean"], "buffer_tokens": m.get("drafter/buffer_tokens", 0.0),
-                              "drafter_loss": m.get("drafter/loss"), "control_loss": c.get("drafter/loss")})
-            for rec in snaps:  # only the newest snapshot's features are needed again
-                rec.pop("samples", None)
-            snaps.append(snapshot(pipe, prompts, max_new, drafters, ref_model, start, temp, kl_prompts))
-            log_snapshot(tracker, step + 1, snaps[-1])
-            e = snaps[-1]["evals"]
-            print(f"step {step + 1}: drift {snaps[-1]['drift']:.3f}, KL {snaps[-1]['kl']:.4f}, accept "
-                  + ", ".join(f"{a} {e[a].accept_len:.3f}" for a in ARMS)
-                  + f" | RL step {m['timing_s/step']:.1f} s, drafter {steps_log[-1]['drafter_s']:.2f} s, "
-                  f"reward {m['reward/mean']:.3f}", flush=True)
-        last = snaps[-1]
-        from tlt.drafter.accept_eval import evaluate_drafter
-
-        head = pipe.model.get_output_embeddings().weight
-        oracle = None
-        if oracle_steps:
-            od, info = oracle_drafter(pipe, oracle_prompts, oracle_steps, temp)
-            oracle = {**info, "eval": evaluate_drafter(od, last["samples"], last["plens"], DEPTH, temp, head)}
-            print(f"oracle: {info['steps']} steps on {info['prompts']} rollouts of the final policy "
-                  f"({info['buffer_tokens']} tokens) -> accept {oracle['eval'].accept_len:.3f}", flush=True)
-        # recomputed after the oracle trained its copy: the arms' drafters are untouched by it
-        recheck = {}
-        for name in ("frozen", "adaptive"):
-            again = evaluate_drafter(drafters[name], last["samples"], last["plens"], DEPTH, temp, head)
-            recheck[name] = bool(again.tokens.tolist() == last["evals"][name].tokens.tolist()
-                                 and again.passes.tolist() == last["evals"][name].passes.tolist())
+        steps_log = trajectory(pipe, control, prompts, steps, snaps, drafters, ref_model, max_new, temp, kl_prompts, tracker)
+        final = final_checks(pipe, drafters, snaps[-1], temp, oracle_steps, oracle_prompts)
         sd = sd_check(pipe, {"frozen": frozen, "adaptive": pipe.drafter}, out_dir, sd_prompts, max_new) \
             if sd_prompts else None
     finally:
         if pipe.refresher is not None:
             pipe.refresher.close()
-    return {"snaps": snaps, "steps": steps_log, "warmstart": ws, "frozen_recheck_equal": recheck["frozen"],
-            "adaptive_recheck_equal": recheck["adaptive"], "sd_check": sd,
-            "cfg": cfg, "oracle": oracle}
+    return {"snaps": snaps, "steps": steps_log, "warmstart": ws, **final, "sd_check": sd, "cfg": cfg}
+
+
+def trajectory(pipe, control, prompts: list[list[int]], steps: int, snaps: list, drafters: dict, ref_model, max_new: int, temp: float,
+               kl_prompts: int, tracker) -> list[dict]:
+    """`steps` RL steps (the pipeline refreshes the adaptive drafter; the control refreshes on its
+    corpus), a snapshot of every arm after each; returns the per-step timing and loss log."""
+    start = snaps[0]["responses"]
+    steps_log = []
+    for step in range(steps):
+        s = pipe.rl_step(step)
+        c = control.refresh(step)
+        m = s.metrics
+        steps_log.append({"step_s": m["timing_s/step"], "drafter_s": m.get("timing_s/update_drafter", 0.0),
+                          "drafter_steps": m.get("drafter/steps", 0.0), "control_steps": c.get("drafter/steps", 0.0),
+                          "reward_mean": m["reward/mean"], "buffer_tokens": m.get("drafter/buffer_tokens", 0.0),
+                          "drafter_loss": m.get("drafter/loss"), "control_loss": c.get("drafter/loss")})
+        for rec in snaps:  # only the newest snapshot's features are needed again
+            rec.pop("samples", None)
+        snaps.append(snapshot(pipe, prompts, max_new, drafters, ref_model, start, temp, kl_prompts))
+        log_snapshot(tracker, step + 1, snaps[-1])
+        e = snaps[-1]["evals"]
+        print(f"step {step + 1}: drift {snaps[-1]['drift']:.3f}, KL {snaps[-1]['kl']:.4f}, accept "
+              + ", ".join(f"{a} {e[a].accept_len:.3f}" for a in ARMS)
+              + f" | RL step {m['timing_s/step']:.1f} s, drafter {steps_log[-1]['drafter_s']:.2f} s, "
+              f"reward {m['reward/mean']:.3f}", flush=True)
+    return steps_log
+
+
+def final_checks(pipe, drafters: dict, last: dict, temp: float, oracle_steps: int, oracle_prompts: int) -> dict:
+    """On the final policy: the optional oracle arm, then frozen and adaptive evaluated again (the
+    oracle trained a copy; the arms' own drafters must be untouched)."""
+    from tlt.drafter.accept_eval import evaluate_drafter
+
+    head = pipe.model.get_output_embeddings().weight
+    oracle = None
+    if oracle_steps:
+        od, info = oracle_drafter(pipe, oracle_prompts, oracle_steps, temp)
+        oracle = {**info, "eval": evaluate_drafter(od, last["samples"], last["plens"], DEPTH, temp, head)}
+        print(f"oracle: {info['steps']} steps on {info['prompts']} rollouts of the final policy "
+              f"({info['buffer_tokens']} tokens) -> accept {oracle['eval'].accept_len:.3f}", flush=True)
+    out = {"oracle": oracle}
+    for name in ("frozen", "adaptive"):
+        again = evaluate_drafter(drafters[name], last["samples"], last["plens"], DEPTH, temp, head)
+        out[f"{name}_recheck_equal"] = bool(again.tokens.tolist() == last["evals"][name].tokens.tolist()
+                                            and again.passes.tolist() == last["evals"][name].passes.tolist())
+    return out
 
 
 def log_snapshot(tracker, step: int, rec: dict) -> None:
@@ -318,6 +249,8 @@ def log_snapshot(tracker, step: int, rec: dict) -> None:
 
 
 def summarize(out: dict, steps: int, drafter_steps: int) -> dict:
+    from tlt.drafter.accept_eval import accept_ratio_ci
+
     snaps, log = out["snaps"], out["steps"]
     acc = {a: [s["evals"][a].accept_len for s in snaps] for a in ARMS}
     first = {a: [s["evals"][a].first_accept for s in snaps] for a in ARMS}
@@ -336,8 +269,8 @@ def summarize(out: dict, steps: int, drafter_steps: int) -> dict:
            **{f"accept_pos_{a}": pos[a] for a in ARMS},
            "gain_vs_frozen": acc["adaptive"][-1] / acc["frozen"][-1],
            "gain_vs_control": acc["adaptive"][-1] / acc["control"][-1],
-           "gain_vs_frozen_ci": paired_bootstrap(last["adaptive"], last["frozen"]),
-           "gain_vs_control_ci": paired_bootstrap(last["adaptive"], last["control"]),
+           "gain_vs_frozen_ci": accept_ratio_ci(last["adaptive"], last["frozen"]),
+           "gain_vs_control_ci": accept_ratio_ci(last["adaptive"], last["control"]),
            "drafter_steps_per_rl_step": float(np.mean(n_steps)) if n_steps else 0.0,
            "drafter_steps_configured": drafter_steps,
            "drafter_s_per_rl_step": float(np.mean(dr_s)) if dr_s else 0.0,
@@ -353,7 +286,7 @@ def summarize(out: dict, steps: int, drafter_steps: int) -> dict:
         o = out["oracle"]
         res.update({"accept_oracle": o["eval"].accept_len, "first_accept_oracle": o["eval"].first_accept,
                     "oracle_gain_vs_frozen": o["eval"].accept_len / acc["frozen"][-1],
-                    "oracle_gain_vs_frozen_ci": paired_bootstrap(o["eval"], last["frozen"]),
+                    "oracle_gain_vs_frozen_ci": accept_ratio_ci(o["eval"], last["frozen"]),
                     "oracle_gain_vs_adaptive": o["eval"].accept_len / acc["adaptive"][-1],
                     "oracle_steps": o["steps"], "oracle_prompts": o["prompts"],
                     "oracle_buffer_tokens": o["buffer_tokens"], "oracle_train_s": o["train_s"]})

@@ -151,3 +151,16 @@ def evaluate_drafter(drafter, samples: list[Sample], prompt_lens: list[int], dep
     finally:
         drafter.train(was_training)
     return AcceptEval(np.asarray(toks), np.asarray(passes), roots, np.asarray(fsum), np.asarray(fcnt))
+
+
+def accept_ratio_ci(a: AcceptEval, b: AcceptEval, n_boot: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> list[float]:
+    """Paired bootstrap CI of accept_len(a) / accept_len(b), two evaluations on the same sequences:
+    sequences resampled with replacement, pairs kept together (accept = sum tokens / sum passes)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(a.tokens), size=(n_boot, len(a.tokens)))
+    ra = a.tokens[idx].sum(1) / np.maximum(a.passes[idx].sum(1), 1)
+    rb = b.tokens[idx].sum(1) / np.maximum(b.passes[idx].sum(1), 1)
+    ratio = ra / np.maximum(rb, 1e-9)
+    lo = (1 - level) / 2
+    return [float(np.quantile(ratio, lo)), float(np.quantile(ratio, 1 - lo))]
