@@ -53,6 +53,7 @@ def sibling(name: str):
 
 _arms = sibling("adaptive_arms")
 share_drafter, control_refresher, oracle_drafter = _arms.share_drafter, _arms.control_refresher, _arms.oracle_drafter
+rollout_samples = _arms.rollout_samples
 
 
 def bench_config(config: str | None, overrides: list[str], steps: int, drafter_steps: int, rl_lr: float | None,
@@ -69,23 +70,6 @@ def bench_config(config: str | None, overrides: list[str], steps: int, drafter_s
 
 
 # ---------------------------------------------------------------- one policy snapshot
-@torch.no_grad()
-def greedy_samples(pipe, prompts: list[list[int]], max_new: int, batch: int = 16):
-    """Greedy responses (EOS kept, as the engine emits them) and drafter samples over prompt +
-    response whose target features were recorded by the decoding forwards (no second forward; the
-    never-fed last token gets zeros, which no draft of these responses reads)."""
-    responses, samples = [], []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        out = pipe.engine.generate(chunk, max_new_tokens=max_new, temperature=0.0, spec=False,
-                                   capture=pipe.drafter.aux_layer_ids)
-        for p, r, (aux, fin) in zip(chunk, out.response_ids, out.features):
-            responses.append(list(r))
-            samples.append({"input_ids": torch.tensor(p + list(r), dtype=torch.long), "aux": aux, "target_hidden": fin,
-                            "loss_mask": torch.arange(len(p) + len(r)) >= len(p)})
-    return responses, samples
-
-
 def token_drift(responses: list[list[int]], start: list[list[int]]) -> float:
     """Share of greedy response positions whose token differs from the start policy's (a position
     that only one of the two responses has counts as differing)."""
@@ -129,7 +113,7 @@ def snapshot(pipe, prompts, max_new: int, drafters: dict, ref_model, start_respo
     from tlt.drafter.accept_eval import evaluate_drafter
 
     t0 = time.perf_counter()
-    responses, samples = greedy_samples(pipe, prompts, max_new)
+    responses, samples = rollout_samples(pipe, prompts, 0.0, max_new=max_new)
     plens = [len(p) for p in prompts]
     head = pipe.model.get_output_embeddings().weight
     evals = {name: evaluate_drafter(d, samples, plens, DEPTH, temperature, head) for name, d in drafters.items()}
@@ -181,7 +165,8 @@ def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir
     snaps = [snapshot(pipe, prompts, max_new, drafters, ref_model, None, temp, kl_prompts)]
     log_snapshot(tracker, 0, snaps[0])
     try:
-        steps_log = trajectory(pipe, control, prompts, steps, snaps, drafters, ref_model, max_new, temp, kl_prompts, tracker)
+        steps_log = trajectory(pipe, control, prompts, steps, snaps, drafters, ref_model, max_new, temp,
+                               kl_prompts, tracker)
         final = final_checks(pipe, drafters, snaps[-1], temp, oracle_steps, oracle_prompts)
         sd = sd_check(pipe, {"frozen": frozen, "adaptive": pipe.drafter}, out_dir, sd_prompts, max_new) \
             if sd_prompts else None
@@ -191,8 +176,8 @@ def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir
     return {"snaps": snaps, "steps": steps_log, "warmstart": ws, **final, "sd_check": sd, "cfg": cfg}
 
 
-def trajectory(pipe, control, prompts: list[list[int]], steps: int, snaps: list, drafters: dict, ref_model, max_new: int, temp: float,
-               kl_prompts: int, tracker) -> list[dict]:
+def trajectory(pipe, control, prompts: list[list[int]], steps: int, snaps: list, drafters: dict, ref_model,
+               max_new: int, temp: float, kl_prompts: int, tracker) -> list[dict]:
     """`steps` RL steps (the pipeline refreshes the adaptive drafter; the control refreshes on its
     corpus), a snapshot of every arm after each; returns the per-step timing and loss log."""
     start = snaps[0]["responses"]

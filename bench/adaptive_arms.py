@@ -1,13 +1,34 @@
 """The comparison arms of bench/adaptive.py, each a drafter built beside the pipeline's own
 (adaptive) one without touching it: *frozen* (a copy of the warm-started drafter), *control* (the
 refresher code on a copy, fed warm-start corpus instead of fresh rollouts) and *oracle* (a copy of
-the final adaptive drafter trained on the final policy's own rollouts)."""
+the final adaptive drafter trained on the final policy's own rollouts); and `rollout_samples`, the
+policy's responses with their recorded features, which the oracle trains on and the benchmark
+evaluates every arm on."""
 from __future__ import annotations
 
 import copy
 
 import numpy as np
 import torch
+
+
+@torch.no_grad()
+def rollout_samples(pipe, prompts: list[list[int]], temperature: float, seed: int = 0, max_new: int | None = None,
+                    batch: int = 16):
+    """The policy's responses (EOS kept, as the engine emits them; chunk i of `batch` prompts
+    sampled with seed `seed + i`) and drafter samples over prompt + response whose target features
+    were recorded by the decoding forwards (no second forward; the never-fed last token gets zeros,
+    which no draft of these responses reads)."""
+    responses, samples = [], []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        out = pipe.engine.generate(chunk, max_new_tokens=max_new, temperature=temperature, seed=seed + i, spec=False,
+                                   capture=pipe.drafter.aux_layer_ids)
+        for p, r, (aux, fin) in zip(chunk, out.response_ids, out.features):
+            responses.append(list(r))
+            samples.append({"input_ids": torch.tensor(p + list(r), dtype=torch.long), "aux": aux, "target_hidden": fin,
+                            "loss_mask": torch.arange(len(p) + len(r)) >= len(p)})
+    return responses, samples
 
 
 def share_drafter(drafter):
@@ -74,13 +95,8 @@ def oracle_drafter(pipe, n_prompts: int, n_steps: int, temperature: float):
     train = list(pipe.dataset.train["prompt"])
     pick = np.random.default_rng(seed + 1).permutation(len(train))[:n_prompts]
     prompts = pipe.prompt_ids([train[i] for i in pick])
-    for i in range(0, len(prompts), 16):
-        chunk = prompts[i:i + 16]
-        out = pipe.engine.generate(chunk, temperature=temperature, seed=seed + 1 + i, spec=False,
-                                   capture=drafter.aux_layer_ids)
-        for p, r, (aux, fin) in zip(chunk, out.response_ids, out.features):
-            ids = torch.tensor(p + list(r), dtype=torch.long)
-            ref.buffer.add(0, ids, aux, fin, torch.arange(ids.shape[0]) >= len(p))
+    for smp in rollout_samples(pipe, prompts, temperature, seed=seed + 1)[1]:
+        ref.buffer.add(0, smp["input_ids"], smp["aux"], smp["target_hidden"], smp["loss_mask"])
     m = ref.refresh(0)
     return drafter, {"steps": int(m.get("drafter/steps", 0)), "buffer_tokens": int(m.get("drafter/buffer_tokens", 0)),
                      "train_s": m.get("drafter/train_s", 0.0), "prompts": len(prompts)}
