@@ -134,53 +134,133 @@ def _policy_batch(model) -> PolicyBatch:
     return PolicyBatch(ids, attn, resp, old, torch.tensor([1.0, -1.0, 0.5, -0.5]), position_ids=pos)
 
 
-def test_zero2_world_size_2_equals_world_size_1_on_the_combined_batch(placement, monkeypatch, tmp_path):
-    """Two ZeRO-2 ranks (Ray actors, gloo) on halves of the batch vs one rank on all of it: the
-    same parameters (DeepSpeed vs DeepSpeed) after two steps, the same loss, the same grad norm.
+# Tolerances of the data-parallel checks, derived from the mechanism (not measured on one machine).
+# Both world sizes run the same per-row forwards (micro-batch 1); they differ only in the order in
+# which fp32 gradients are summed (gloo's allreduce vs local accumulation) and in ZeRO's flat-buffer
+# partitioning. fp32 summation of n terms errs by at most ~n * 2^-24 relative to the sum of their
+# magnitudes: 4 rows x 2 steps is far below 1e-4. A rank that forgot to average (the 2x-gradient
+# bug) is off by 100 % of the update, 10^4 times the bound. Weights near 1 (the norms) round to
+# one fp32 ulp (1.2e-7) on each side, so the SGD checks use lr 1e-2: the distance moved (~1e-2)
+# keeps that ulp under the bound.
+_LINEAR_REL = 1e-4
+_SGD_FREE_CLIP = 1e9  # no clipping: a clip rescales a 2x gradient to the same norm and would hide it
 
-    The parameter gap is fp32 summation order seen through Adam's g/(|g|+eps) on near-zero
-    gradients: measured 1.4% of lr, flat over steps (1.4e-5 at lr 1e-3, 1.5e-8 at lr 1e-6)."""
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))  # the driver's world-size-1 engine
-    rl = RLConfig(lr=5e-5)
-    trainer = TrainerConfig(backend="deepspeed", zero_stage=2, micro_batch_size=1, world_size=2)
-    one, two = tiny_model(layers=2, hidden=128, vocab=64, seed=0), tiny_model(layers=2, hidden=128, vocab=64, seed=0)
-    ref = DeepSpeedUpdater(one, rl, trainer.model_copy(update={"world_size": 1}))
-    dist = RayDeepSpeedUpdater(placement, two, rl, trainer)
+
+def _pair(placement, rl: RLConfig, seed: int = 0):
+    """(world-size-1 updater and model, world-size-2 ZeRO-2 updater and model, a second world-size-1
+    updater whose gradients are doubled: what ranks that sum instead of average would apply)."""
+    trainer = TrainerConfig(backend="deepspeed", zero_stage=2, micro_batch_size=1, world_size=2,
+                            grad_clip=_SGD_FREE_CLIP)
+    one, two, bug = (tiny_model(layers=2, hidden=128, vocab=64, seed=seed) for _ in range(3))
+    single = trainer.model_copy(update={"world_size": 1})
+    return (DeepSpeedUpdater(one, rl, single), one, RayDeepSpeedUpdater(placement, two, rl, trainer), two,
+            DeepSpeedUpdater(bug, rl, single), bug)
+
+
+def _max_gap(a, b) -> float:
+    return max(float((x - y).detach().abs().max()) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def _doubled(upd, batch):
+    """The 2x-gradient bug: the loss's token count halved = every gradient doubled."""
+    return upd.step(batch, denom=float(batch.response_mask.sum()) / 2)
+
+
+def test_zero2_world_size_2_equals_world_size_1_with_sgd(placement, monkeypatch, tmp_path):
+    """Two ZeRO-2 ranks (Ray actors, gloo) on halves of the batch vs one rank on all of it, with plain
+    SGD: the update is linear in the gradient, so parameters agree to fp32 summation rounding
+    (`_LINEAR_REL` of the distance moved), as do the loss and the grad norm. Negative control in the
+    same run: a world-size-1 update with doubled gradients (ranks that sum instead of average) is
+    off by the whole distance moved and fails the same bound."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
+    ref, one, dist, two, bug_upd, bug = _pair(placement, RLConfig(lr=1e-2, optimizer="sgd"))
     start = [p.detach().clone() for p in two.parameters()]
     try:
         for _ in range(2):
             batch = _policy_batch(one)
             m1, m2 = ref.step(batch), dist.step(batch)
+            _doubled(bug_upd, batch)
+            # per-row forwards are identical; only the order of adding 4 Python floats differs
             assert m2["policy/loss"] == pytest.approx(m1["policy/loss"], abs=1e-6)
-            assert m2["policy/grad_norm"] == pytest.approx(m1["policy/grad_norm"], rel=1e-5)
-        diff = max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), two.parameters()))
+            # a sum of squares over every gradient element: fp32 rounding of the summed gradients
+            assert m2["policy/grad_norm"] == pytest.approx(m1["policy/grad_norm"], rel=_LINEAR_REL)
         moved = max(float((a - b).detach().abs().max()) for a, b in zip(two.parameters(), start))
-        print(f"ZeRO-2 world size 2 vs 1 after 2 steps at lr 5e-5: max |dparam| = {diff:.2e}, moved {moved:.2e}")
-        assert diff <= 1e-6 and moved >= rl.lr  # the driver's model holds rank 0's updated weights
-        state = dist.state_dict()
+        diff, bug_diff = _max_gap(one, two), _max_gap(bug, two)
+        print(f"SGD ZeRO-2 world size 2 vs 1: max |dparam| {diff:.2e}, moved {moved:.2e}, 2x-gradient bug {bug_diff:.2e}")
+        assert moved > 0 and diff <= _LINEAR_REL * moved  # the driver's model holds rank 0's updated weights
+        assert bug_diff > _LINEAR_REL * moved  # the check catches ranks that do not average
+    finally:
+        for u in (bug_upd, dist, ref):  # the first world-size-1 engine owns the process group: last
+            u.close()
+
+
+def _exp_avgs(state: dict, ranks: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adam's (exp_avg, exp_avg_sq) over the whole flat parameter group: ZeRO-2 keeps one partition
+    per rank (the last one padded), concatenated here in rank order."""
+    parts = state["ranks"] if ranks else [state]
+    avg = [p["base_optimizer_state"]["state"][0]["exp_avg"] for p in parts]
+    sq = [p["base_optimizer_state"]["state"][0]["exp_avg_sq"] for p in parts]
+    return torch.cat(avg), torch.cat(sq)
+
+
+def _assert_same_adam_state(ref_state: dict, dist_state: dict) -> None:
+    (a1, s1), (a2, s2) = _exp_avgs(ref_state, ranks=False), _exp_avgs(dist_state, ranks=True)
+    n = a1.numel()
+    assert torch.all(a2[n:] == 0)  # ZeRO's alignment padding carries no state
+    # exp_avg is linear and exp_avg_sq quadratic in the gradients: fp32 rounding only
+    assert float((a2[:n] - a1).abs().max()) <= _LINEAR_REL * float(a1.abs().max())
+    assert float((s2[:n] - s1).abs().max()) <= 2 * _LINEAR_REL * float(s1.abs().max())
+
+
+def test_zero2_adam_state_is_partitioned_and_round_trips(placement, monkeypatch, tmp_path):
+    """What AdamW adds at world size 2: the optimizer state, partitioned over the ranks by ZeRO-2,
+    equals world size 1's (exp_avg is linear in the gradients, so `_LINEAR_REL`), survives the
+    state_dict/load_state_dict round trip of a resume, and the 2x-gradient bug fails the check.
+
+    Parameters are compared with a bound from the mechanism, not a measurement: in Adam's first
+    steps each element moves by at most ~lr (bias-corrected m/sqrt(v) <= 1.002 for steps 1-3, plus
+    lr * weight_decay * |w|), and a gradient at rounding level may flip sign between the two runs, so
+    two runs can differ by at most 2 * lr * 1.01 per step, whatever the CPU's kernels."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
+    rl = RLConfig(lr=5e-5)
+    ref, one, dist, two, bug_upd, bug = _pair(placement, rl)
+    try:
+        for _ in range(2):
+            batch = _policy_batch(one)
+            ref.step(batch), dist.step(batch), _doubled(bug_upd, batch)
+        state, ref_state = dist.state_dict(), ref.state_dict()
         assert state["world_size"] == 2 and len(state["ranks"]) == 2  # ZeRO partitions: one state per rank
+        _assert_same_adam_state(ref_state, state)
+        with pytest.raises(AssertionError):  # negative control: doubled gradients, doubled exp_avg
+            _assert_same_adam_state(bug_upd.state_dict(), state)
+        assert _max_gap(one, two) <= 2 * 2 * rl.lr * 1.01
         dist.load_state_dict(state)  # a resume: the next step continues as if never interrupted
         batch = _policy_batch(one)
         ref.step(batch), dist.step(batch)
-        assert max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), two.parameters())) <= 1e-6
+        _assert_same_adam_state(ref.state_dict(), dist.state_dict())
+        assert _max_gap(one, two) <= 3 * 2 * rl.lr * 1.01
         with pytest.raises(ValueError, match="world_size=2"):
-            RayDeepSpeedUpdater(placement, two, rl, trainer.model_copy(update={"world_size": 3})).load_state_dict(state)
+            RayDeepSpeedUpdater(placement, two, rl, TrainerConfig(backend="deepspeed", zero_stage=2, world_size=3)
+                                ).load_state_dict(state)
     finally:
-        ref.close()
-        dist.close()
+        for u in (bug_upd, dist, ref):  # the first world-size-1 engine owns the process group: last
+            u.close()
 
 
 def test_uneven_rows_are_padded_and_the_drafter_sees_every_real_row_once(placement, monkeypatch, tmp_path):
     """5 rows over 2 ranks (one padding row with no response tokens): still world size 1's update,
-    and the update's forwards reach `on_forward` for rows 0..4 exactly, with world size 1's features."""
+    and the update's forwards reach `on_forward` for rows 0..4 exactly, with world size 1's features.
+    SGD, so the update is linear in the gradient and the bound is fp32 rounding (see `_LINEAR_REL`)."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
-    rl = RLConfig(lr=5e-5)
-    trainer = TrainerConfig(backend="deepspeed", zero_stage=2, micro_batch_size=1, world_size=2)
+    rl = RLConfig(lr=1e-2, optimizer="sgd")
+    trainer = TrainerConfig(backend="deepspeed", zero_stage=2, micro_batch_size=1, world_size=2,
+                            grad_clip=_SGD_FREE_CLIP)
     one, two = tiny_model(layers=2, hidden=128, vocab=64, seed=1), tiny_model(layers=2, hidden=128, vocab=64, seed=1)
     full = _policy_batch(one)
     batch = PolicyBatch(*(None if t is None else torch.cat([t, t[:1]]) for t in (
         getattr(full, f) for f in PolicyBatch.__dataclass_fields__)))  # 5 rows
     seen: dict[int, list] = {1: [], 2: []}
+    start = [p.detach().clone() for p in two.parameters()]
     ref = DeepSpeedUpdater(one, rl, trainer.model_copy(update={"world_size": 1}))
     dist = RayDeepSpeedUpdater(placement, two, rl, trainer)
     try:
@@ -188,10 +268,10 @@ def test_uneven_rows_are_padded_and_the_drafter_sees_every_real_row_once(placeme
             m = upd.step(batch, aux_layer_ids=[0, 1], on_forward=lambda s, mb, out, ws=ws: seen[ws].append((s, out.aux)))
             assert m["policy/entropy"] > 0
         assert [s for s, _ in seen[2]] == [s for s, _ in seen[1]] == [0, 1, 2, 3, 4]
-        for (_, a), (_, b) in zip(seen[1], seen[2]):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        # summation-order gap through Adam (see above): measured 2.1 % of lr with this seed
-        assert max(float((a - b).detach().abs().max()) for a, b in zip(one.parameters(), two.parameters())) <= 0.05 * rl.lr
+        for (_, a), (_, b) in zip(seen[1], seen[2]):  # the same per-row forward on both sides (first
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # step: same weights): ~1e-7 apart at most
+        moved = max(float((a - b).detach().abs().max()) for a, b in zip(two.parameters(), start))
+        assert moved > 0 and _max_gap(one, two) <= _LINEAR_REL * moved
     finally:
         ref.close()
         dist.close()

@@ -13,8 +13,11 @@ from tlt.rl.update import DeepSpeedUpdater, PolicyBatch, TorchUpdater, make_upda
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
 RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30]]
 LR = 1e-3  # large enough that one step moves every parameter visibly
-# torch vs DeepSpeed after one AdamW step at lr 1e-3: measured max |diff| ~2e-7 (summation order).
-PARAM_ATOL = 1e-5  # AdamW step 1 is lr*g/(|g|+eps): fp32 rounding in near-zero grads shows up ~1e-6
+# torch vs DeepSpeed after one AdamW step: the micro-batches' gradients are summed in another order.
+# Step 1 moves an element by lr*g/(|g|+eps); a rounding difference d in g moves that by at most
+# lr*d/(4*eps) (at |g| = eps), and d <= ~2^-24 x the element's partial sums (<= 1e-2 on this tiny
+# model): <= 1.5 % of lr in the worst element, whatever the CPU. A wrong update is off by ~lr.
+PARAM_ATOL = 0.02 * LR
 
 
 @pytest.fixture(autouse=True)

@@ -183,6 +183,9 @@ class RLConfig(Stage):
     steps: int = Field(4, ge=0, description="RL steps")
     lr: float = Field(1e-6, gt=0, description="Policy learning rate")
     weight_decay: float = Field(0.01, ge=0, description="Policy AdamW weight decay")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="Policy optimizer: adamw, or sgd (plain, no "
+                                               "momentum: an update linear in the gradient, as in the data-parallel "
+                                               "equality tests)")
     clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon (low)")
     clip_high: float = Field(0.28, ge=0, description="PPO clip epsilon (high; DAPO clip-higher)")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty to the reference policy (0 = none)")

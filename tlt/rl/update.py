@@ -64,8 +64,10 @@ class PolicyBatch:
         return PolicyBatch(*(cut(getattr(self, f)) for f in self.__dataclass_fields__))
 
 
-def make_optimizer(params, rl: RLConfig) -> torch.optim.AdamW:
+def make_optimizer(params, rl: RLConfig) -> torch.optim.Optimizer:
     """The policy optimizer of both backends (DeepSpeed gets this very instance)."""
+    if rl.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=rl.lr, momentum=0.0, weight_decay=rl.weight_decay)
     return torch.optim.AdamW(params, lr=rl.lr, betas=_ADAM_BETAS, eps=_ADAM_EPS, weight_decay=rl.weight_decay)
 
 
