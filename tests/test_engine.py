@@ -99,28 +99,30 @@ def _exact_joint(model, prompt, temperature, top_p, n_tokens=2):
     with torch.no_grad():
         for _ in range(n_tokens):
             ids = torch.tensor([prompt + s for s in seqs])
-            p = target_probs(model(input_ids=ids).logits[:, -1], temperature, top_p)  # [S, V]
+            p = target_probs(model(input_ids=ids).logits[:, -1].float(), temperature, top_p)  # [S, V]
             probs = (probs[:, None] * p).reshape(-1)
             seqs = [s + [t] for s in seqs for t in range(vocab)]
     return {tuple(s): float(q) for s, q in zip(seqs, probs)}
 
 
-@pytest.mark.parametrize("kind,strategy,top_p", [("ngram", CHAIN, 1.0),
-                                                 ("ngram", SpecStrategy(depth=3, topk=3, tokens=6), 0.9),
-                                                 ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0),
-                                                 ("eagle-pruned", SpecStrategy(depth=3, topk=2, tokens=6), 1.0)])
-def test_sampling_distribution_matches_policy(kind, strategy, top_p):
-    """TV(empirical SD samples, exact policy) of the first 2 tokens within a sample-size bound."""
+@pytest.mark.parametrize("kind,strategy,top_p,dtype", [
+    ("ngram", CHAIN, 1.0, "float32"), ("ngram", SpecStrategy(depth=3, topk=3, tokens=6), 0.9, "float32"),
+    ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0, "float32"),
+    ("eagle-pruned", SpecStrategy(depth=3, topk=2, tokens=6), 1.0, "float32"),
+    ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0, "bfloat16")])
+def test_sampling_distribution_matches_policy(kind, strategy, top_p, dtype):
+    """TV(empirical SD samples, exact policy) of the first 2 tokens within a sample-size bound. In a
+    bf16 rollout (rollout.dtype) the policy is the bf16 copy's: lossless relative to its own dtype."""
     model = tiny_model("llama", layers=2, vocab=16, seed=3)
     prompt = [5, 6, 7, 5, 6, 8, 5, 6, 9, 3, 5, 6]  # the suffix "5 6" has three continuations -> drafts
     n = 3000
-    eng = _engine(model, eos=(), spec_threshold=n, strategy=strategy, max_new_tokens=2)
+    eng = _engine(model, eos=(), spec_threshold=n, strategy=strategy, max_new_tokens=2, dtype=dtype)
     if kind.startswith("eagle"):  # a random EAGLE-3 drafter: its q differs from p, so rejections happen
         update = {"drafter": "eagle", "draft_min_prob": 0.01 if kind == "eagle-pruned" else 0.0}
         eng = RolloutEngine(model, eng.cfg.model_copy(update=update), eos_ids=[], pad_id=0,
                             drafter=build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval())
     out = eng.generate([prompt], group_size=n, temperature=1.0, top_p=top_p, seed=11, spec=True)
-    exact = _exact_joint(model, prompt, 1.0, top_p)
+    exact = _exact_joint(model.to(getattr(torch, dtype)), prompt, 1.0, top_p)
     counts = {}
     for r in out.response_ids:
         counts[tuple(r)] = counts.get(tuple(r), 0) + 1

@@ -101,6 +101,21 @@ def test_greedy_identical_eagle(models, trained_drafter, strategy, min_prob):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("strategy", [CHAIN, TREE])
+def test_greedy_identical_in_a_bf16_rollout(models, trained_drafter, strategy):
+    """Lossless relative to the rollout's own dtype: a bf16 rollout copy (rollout.dtype) decodes the
+    same greedy tokens with SD on and off; the fp32 drafter reads the bf16 target's features."""
+    model = models["llama"]
+    prompts = _prompts(12, 64, seed=3)
+    eos = (_common_token(model, prompts),)
+    plain = _engine(model, eos=eos, dtype="bfloat16").generate(prompts, spec=False)
+    eng = _engine(model, trained_drafter, eos=eos, spec_threshold=100, strategy=strategy, dtype="bfloat16")
+    assert next(eng.model.parameters()).dtype == torch.bfloat16
+    sd = eng.generate(prompts, spec=True)
+    assert sd.response_ids == plain.response_ids
+    assert sum(sd.accepted) > 0 and all(a <= d for a, d in zip(sd.accepted, sd.drafted))
+
+
 def test_confidence_pruning_verifies_fewer_tokens(models, trained_drafter):
     """draft_min_prob drops unconfident drafts: fewer drafted, the accept rate per draft rises."""
     prompts = _prompts(6, 64, seed=5)

@@ -65,7 +65,7 @@ def corpus_key(model_fp: str, cfg, source: str) -> str:
     inputs = {"model": model_fp, "source": source, "instruction": cfg.data.instruction,
               "system_prompt": cfg.data.system_prompt, "temperature": cfg.rollout.temperature,
               "top_p": cfg.rollout.top_p, "tokens": d.corpus_tokens, "max_new": d.warmstart_max_new_tokens,
-              "seed": cfg.rl.seed, "version": 1}
+              "seed": cfg.rl.seed, "dtype": cfg.rollout.dtype, "version": 1}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
 
 

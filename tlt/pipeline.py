@@ -24,6 +24,7 @@ from tlt.drafter.train import DrafterTrainer
 from tlt.evaluate import evaluate as evaluate_heldout
 from tlt.export import export_eagle3
 from tlt.models import eos_token_ids, load_target, load_tokenizer
+from tlt.precision import resolve_run
 from tlt.preflight import check_export_dir, check_reward_fn
 from tlt.report import RunRecord, log_report
 from tlt.rl.resume import checkpoint_metrics, restore_run_state, save_run_state
@@ -70,6 +71,7 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
 
 class Pipeline:
     def __init__(self, cfg: RunConfig, tracker=None, retrain: bool = False):
+        cfg, self.precision_notes = resolve_run(cfg)  # 'auto' precisions made concrete for this hardware
         self.cfg, self.retrain = cfg, retrain
         self.tracker = tracker or NullTracker()
         name = tracker.run_id if tracker is not None and tracker.run_id else cfg.name
@@ -90,6 +92,8 @@ class Pipeline:
     # -- stage 0: record what this run is ------------------------------------------------------
     def log_config(self) -> None:
         self.tracker.log_params(flatten(self.cfg))
+        self.tracker.log_params({f"precision.why.{n.split('=')[0]}": n.split(" ", 1)[1].strip("()")
+                                 for n in self.precision_notes})
         self.tracker.log_text(dump_yaml(self.cfg), "config.yaml")
 
     # -- stage 1: data -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from tlt.summaries import WarmstartSummary
 _DRAFTER_KEYS = {"draft_vocab_size", "aux_layer_ids", "init_from_target", "lr", "weight_decay", "grad_clip",
                  "loss_feature_weight", "loss_token_weight", "ttt_steps", "ttt_decay", "feature_target",
                  "train_on_prompt", "prompt_loss_weight", "warmstart_epochs", "warmup_ratio", "min_lr_ratio",
-                 "batch_tokens", "warmstart_eval_prompts", "eval_max_new_tokens", "eval_strategy"}
+                 "batch_tokens", "warmstart_eval_prompts", "eval_max_new_tokens", "eval_strategy", "precision"}
 
 
 def cache_key(model, corpus_key: str, cfg) -> str:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tlt.drafter.model import Eagle3Drafter
+from tlt.precision import autocast
 
 Sample = dict[str, Tensor]
 
@@ -162,7 +163,8 @@ def refresh_lr(cfg) -> float:
 
 
 class DrafterTrainer:
-    """AdamW(0.9, 0.95) on the drafter's trainable weights; the shared embedding is excluded."""
+    """AdamW(0.9, 0.95) on the drafter's trainable weights; the shared embedding is excluded.
+    `cfg.precision` bf16-mixed: fp32 weights and optimizer, bf16 autocast forward (tlt.precision)."""
 
     def __init__(self, drafter: Eagle3Drafter, cfg, lm_head_weight: Tensor):
         self.drafter, self.cfg = drafter, cfg
@@ -267,7 +269,8 @@ class DrafterTrainer:
     def step(self, batch: dict[str, Tensor]) -> dict[str, float]:
         """One optimizer step on a packed batch; returns drafter/* metrics."""
         self.drafter.train()
-        loss, metrics = self.compute_loss(batch)
+        with autocast(self.cfg.precision, self.drafter.fc.weight.device):  # fp32 weights; bf16 matmuls if mixed
+            loss, metrics = self.compute_loss(batch)
         if not torch.is_tensor(loss) or not loss.requires_grad:
             return metrics  # no response positions in this batch
         self.opt.zero_grad(set_to_none=True)

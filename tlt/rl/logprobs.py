@@ -77,7 +77,7 @@ def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_
     want_hidden = aux_layer_ids is not None
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 output_hidden_states=want_hidden, use_cache=False)
-    logits = out.logits[:, :-1]  # [B,T-1,V]: position t-1 predicts token t
+    logits = out.logits[:, :-1].float()  # [B,T-1,V]: position t-1 predicts token t; fp32 under bf16 autocast
     if temperature != 1.0:
         logits = logits / temperature
     mask = response_mask[:, 1:].to(torch.float32)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from tlt.config import RLConfig, RunConfig, TrainerConfig
+from tlt.precision import autocast
 from tlt.rl.grpo import kl_k3, masked_mean, policy_loss
 from tlt.rl.logprobs import ForwardOut, forward_logprobs
 
@@ -120,14 +121,19 @@ OnForward = Callable[[int, PolicyBatch, ForwardOut], None]
 
 
 def detached(out: ForwardOut) -> ForwardOut:
-    """The forward's outputs without their autograd graph (what the drafter buffer receives)."""
-    return ForwardOut(*(None if t is None else t.detach() for t in (out.logp, out.entropy, out.aux, out.last_hidden)))
+    """The forward's outputs without their autograd graph, in fp32 whatever the forward computed in
+    (what the drafter buffer receives)."""
+    return ForwardOut(*(None if t is None else t.detach().float() for t in (out.logp, out.entropy, out.aux,
+                                                                             out.last_hidden)))
 
 
 def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, before_micro=None,
                 aux_layer_ids: list[int] | None = None, on_forward: OnForward | None = None,
-                denom: float | None = None) -> dict:
+                denom: float | None = None, precision: str = "fp32") -> dict:
     """Forward/backward every micro-batch; `backward(loss)` is the backend's backward.
+
+    `precision` (tlt.precision): bf16-mixed runs each forward under bf16 autocast (the backward
+    follows the forward's dtypes; the fp32 parameters receive fp32 gradients).
 
     `on_forward(start, micro_batch, outputs)` sees each micro-batch's detached forward (rows
     start.. of `batch`, trimmed to the micro-batch's width), with hidden states at `aux_layer_ids`.
@@ -144,7 +150,8 @@ def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, b
         if before_micro is not None:
             before_micro(i == len(starts) - 1)
         mb = batch.slice(start, start + micro).trimmed()
-        loss, stats, out = micro_batch_loss(model, mb, rl, denom, aux_layer_ids)
+        with autocast(precision, mb.input_ids.device):
+            loss, stats, out = micro_batch_loss(model, mb, rl, denom, aux_layer_ids)
         backward(loss)
         if on_forward is not None:
             on_forward(start, mb, detached(out))
@@ -154,7 +161,8 @@ def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, b
 
 
 class TorchUpdater:
-    """AdamW on a HF causal LM with micro-batching and gradient clipping (single process)."""
+    """AdamW on a HF causal LM with micro-batching and gradient clipping (single process); with
+    `trainer.precision` bf16-mixed the model's fp32 weights are the master weights (tlt.precision)."""
 
     def __init__(self, model, rl_cfg: RLConfig, trainer_cfg: TrainerConfig):
         self.model, self.rl, self.trainer = model, rl_cfg, trainer_cfg
@@ -168,7 +176,7 @@ class TorchUpdater:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         acc = _accumulate(self.model, batch, self.rl, self.trainer.micro_batch_size, lambda loss: loss.backward(),
-                          aux_layer_ids=aux_layer_ids, on_forward=on_forward)
+                          aux_layer_ids=aux_layer_ids, on_forward=on_forward, precision=self.trainer.precision)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -204,7 +212,10 @@ def _single_process_env() -> list[str]:
 
 
 def deepspeed_config(trainer: TrainerConfig) -> dict:
-    """DeepSpeed config of the policy update: fp32, ZeRO `trainer.zero_stage`, our clip."""
+    """DeepSpeed config of the policy update: ZeRO `trainer.zero_stage`, our clip. No `bf16` section:
+    with trainer.precision bf16-mixed the parameters stay fp32 (the master weights, partitioned by
+    ZeRO with the optimizer state) and the forward runs under torch autocast, as with TorchUpdater;
+    checkpoints, resume and the rollout sync then see one fp32 model on every backend."""
     return {
         "train_micro_batch_size_per_gpu": trainer.micro_batch_size,
         "gradient_accumulation_steps": 1,  # accumulation boundaries are set by hand per step
@@ -254,7 +265,8 @@ class DeepSpeedUpdater:
         engine.train()
         acc = _accumulate(engine, batch, self.rl, self.trainer.micro_batch_size,
                           lambda loss: engine.backward(loss), engine.set_gradient_accumulation_boundary,
-                          aux_layer_ids=aux_layer_ids, on_forward=on_forward, denom=denom)
+                          aux_layer_ids=aux_layer_ids, on_forward=on_forward, denom=denom,
+                          precision=self.trainer.precision)
         # ZeRO 1/2 record the pre-clip norm; stage 0 clips without keeping it, so measure it here.
         grad_norm = _grad_norm(self.model.parameters()) if self.trainer.zero_stage == 0 else None
         engine.step()

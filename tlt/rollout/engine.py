@@ -23,6 +23,7 @@ from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
 from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
+from tlt.rollout.weights import RolloutCopy
 
 
 class RolloutEngine:
@@ -36,7 +37,9 @@ class RolloutEngine:
     """
 
     def __init__(self, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int, drafter=None, tuner=None):
-        self.model, self.cfg, self.pad_id = model, cfg, pad_id
+        self.master, self.cfg, self.pad_id = model, cfg, pad_id
+        self.copy = RolloutCopy.of(model, cfg.dtype)  # None: decode with the policy module itself
+        self.model = model if self.copy is None else self.copy.module
         self.eos_ids = list(eos_ids)
         self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
         self.ngram = NgramDrafter()
@@ -56,6 +59,7 @@ class RolloutEngine:
         self.forward_calls += 1
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
                          logits_to_keep=1 if keep_last else 0, output_hidden_states=hidden or capture is not None)
+        out.logits = out.logits.float()  # sampling and acceptance in fp32 whatever the rollout dtype
         fused = None
         if hidden:
             aux = self.drafter.gather_aux(out.hidden_states, self.drafter.aux_layer_ids)
@@ -86,6 +90,8 @@ class RolloutEngine:
         as the RL loss needs them, whatever temperature was used for sampling.
         """
         cfg = self.cfg
+        if self.copy is not None:
+            self.copy.refresh(self.master)
         opts = dict(max_new=max_new_tokens or cfg.max_new_tokens,
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
@@ -113,8 +119,11 @@ class RolloutEngine:
         return batch
 
     def sync(self, model=None) -> dict[str, float]:
-        """Nothing to send: this engine decodes with the policy module itself (see tlt.rl.step)."""
-        return {}
+        """Nothing to send when this engine decodes with the policy module itself (see tlt.rl.step);
+        a rollout copy in another dtype (`rollout.dtype`) is rounded from the master weights."""
+        if self.copy is None:
+            return {}
+        return {"rollout/weights_copied": float(self.copy.refresh(model if model is not None else self.master))}
 
     # ---- steps ---------------------------------------------------------------------------
     def _decode(self, st: DecodeState, opts, gen, outs, use_spec: bool, threshold: int, on_tail) -> None:
