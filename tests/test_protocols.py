@@ -66,7 +66,7 @@ def test_cheap_instances_satisfy_the_protocols():
     engine = RolloutEngine(target, RolloutConfig(max_new_tokens=4), eos_ids=[2], pad_id=0, drafter=drafter)
     refresher = DrafterRefresher(DrafterTrainer(drafter, cfg, target.get_output_embeddings().weight), cfg)
     assert isinstance(engine, Engine) and isinstance(refresher, Refresher)
-    assert engine.sync(target) == {} and refresher.before_rollout() is None and refresher.after_rollout() == {}
+    assert engine.sync(target) == {} and refresher.before_rollout(0) is None and refresher.after_rollout() == {}
 
 
 def test_on_tail_is_a_generate_argument():

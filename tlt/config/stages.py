@@ -122,7 +122,9 @@ class DrafterConfig(Stage):
     eval_strategy: SpecStrategy = Field(default_factory=lambda: SpecStrategy(depth=4, topk=1, tokens=4),
                                           description="The fixed strategy of accept-length reports (tuner off; "
                                           "default: a depth-4 chain)")
-    refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (0 = frozen)")
+    refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (steps k-1, 2k-1, ...: in "
+                               "that step's rollout tail with spot, after its update without); 0 = only when "
+                               "refresh_below_accept_len fires (frozen when that is unset)")
     refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per sequential refresh")
     spot: bool = Field(True, description="Train the drafter in the rollout's idle tail (spot trainer process) "
                        "instead of sequentially after the policy update")
@@ -130,7 +132,8 @@ class DrafterConfig(Stage):
     spot_checkpoint_every: int = Field(16, ge=0, description="The spot trainer saves its weights + optimizer every k "
                                        "drafter steps (async; a preempted worker loses at most k steps; 0 = only "
                                        "at the end of each tail)")
-    refresh_below_accept_len: float | None = Field(None, description="Also refresh when held-out accept length drops below this")
+    refresh_below_accept_len: float | None = Field(None, description="Also refresh when the last rollout's accept "
+                                                   "length (spec/accept_len/mean) is below this")
     buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
     buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
 

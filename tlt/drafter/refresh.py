@@ -14,6 +14,18 @@ from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
 
 
+def refresh_due(cfg, step: int, last_accept: float | None) -> bool:
+    """Whether RL step `step` refreshes the drafter (both refreshers: the spot trainer in that
+    step's rollout tail, the sequential one after its update): every `refresh_every` steps
+    (steps k-1, 2k-1, ...), or when the last rollout's accept length fell under
+    `refresh_below_accept_len`. refresh_every 0 with no bound: never (frozen)."""
+    every = cfg.refresh_every
+    if every and (step + 1) % every == 0:
+        return True
+    low = cfg.refresh_below_accept_len
+    return low is not None and last_accept is not None and last_accept < low
+
+
 class DrafterRefresher:
     """Owns the drafter's buffer and trainer; decides when to refresh and runs the refresh."""
 
@@ -34,7 +46,7 @@ class DrafterRefresher:
         self.buffer.add_rows(step, ids, attn, resp, aux, last_hidden)
 
     # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
-    def before_rollout(self) -> None:
+    def before_rollout(self, step: int) -> None:
         """No tail hook: this refresher trains after the policy update, not during the rollout."""
         return None
 
@@ -64,11 +76,7 @@ class DrafterRefresher:
             self.last_accept = accept_len
 
     def due(self, step: int) -> bool:
-        every = self.cfg.refresh_every
-        if every and (step + 1) % every == 0:
-            return True
-        low = self.cfg.refresh_below_accept_len
-        return low is not None and self.last_accept is not None and self.last_accept < low
+        return refresh_due(self.cfg, step, self.last_accept)
 
     def refresh(self, step: int) -> dict[str, float]:
         """`refresh_steps` drafter updates on the buffer (accept length is measured by the next rollout)."""

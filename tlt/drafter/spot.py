@@ -38,6 +38,7 @@ from tlt.checkpoint import load_checkpoint, load_pt, newest_verified, save_check
 from tlt.config import DrafterConfig
 from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.model import Eagle3Drafter
+from tlt.drafter.refresh import refresh_due
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
 
@@ -151,7 +152,7 @@ class SpotTrainer:
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
         self.total_steps, self._running, self._t_tail = 0, False, 0.0
-        self.last_accept: float | None = None  # no accept-length trigger: every tail trains (kept in checkpoints)
+        self.last_accept: float | None = None  # the last rollout's accept length (refresh_due; kept in checkpoints)
         self.weights_step = 0  # drafter optimizer steps behind self.drafter's weights
         self._optim: dict | None = None  # the optimizer state last loaded into the worker
         self.preemptions = self.corrupt_checkpoints = 0
@@ -190,15 +191,19 @@ class SpotTrainer:
                 self._head.copy_(self._model.get_output_embeddings().weight)
 
     # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
-    def before_rollout(self) -> Callable[[int], None]:
-        """Refresh the shared target weights; the returned hook (the rollout's `on_tail`) starts training."""
+    def before_rollout(self, step: int) -> Callable[[int], None] | None:
+        """Refresh the shared target weights; when step `step` is due a refresh (`refresh_due`) the
+        returned hook (the rollout's `on_tail`) starts training, else this tail stays idle (None)."""
         self.sync_policy()
-        return self.start
+        return self.start if refresh_due(self.cfg, step, self.last_accept) else None
 
     def after_rollout(self) -> dict[str, float]:
         return self.finish()
 
     def after_update(self, step: int, accept_len: float | None) -> dict[str, float]:
+        """Remember the rollout's accept length (spec/accept_len/mean) for the next step's decision."""
+        if accept_len is not None:
+            self.last_accept = accept_len
         return {}
 
     def start(self, n_running: int = 0) -> None:

@@ -66,8 +66,8 @@ class Refresher(Protocol):
 
     def add_rollouts(self, step: int, ids, attn, resp, aux, last_hidden) -> None: ...
 
-    def before_rollout(self) -> TailHook | None:
-        """Before the rollout; returns the `on_tail` hook for `Engine.generate` (None: none)."""
+    def before_rollout(self, step: int) -> TailHook | None:
+        """Before step `step`'s rollout; returns the `on_tail` hook for `Engine.generate` (None: none)."""
 
     def after_rollout(self) -> dict[str, float]: ...
 
@@ -132,7 +132,7 @@ def _rollout(ctx: StepContext, step: int, timer: Timer):
     on_tail = None
     if ctx.refresher:
         with timer("sync"):
-            on_tail = ctx.refresher.before_rollout()
+            on_tail = ctx.refresher.before_rollout(step)
     with timer("rollout"):
         fault("rollout", step)
         batch = ctx.engine.generate(ctx.encode(list(rows["prompt"])), group_size=cfg.rollout.group_size,
