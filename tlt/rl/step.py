@@ -18,10 +18,11 @@ from torch import Tensor
 
 from tlt.faults import fault
 from tlt.metrics import rollout_metrics
+from tlt.precision import autocast
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
 from tlt.rl.rewards import checked_rewards
-from tlt.rl.update import PolicyBatch, fuses_old_logprob
+from tlt.rl.update import PolicyBatch, detached, fuses_old_logprob
 from tlt.schemas import rollout_table
 
 if TYPE_CHECKING:
@@ -191,9 +192,10 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
     old_logp = None
     metrics: dict[str, float] = {}
     if len(separate):
-        with timer("old_logprob"), torch.no_grad():
-            fo = forward_logprobs(ctx.model, ids[separate], attn[separate], resp[separate], aux_layer_ids=aux_ids,
-                                  position_ids=pos[separate])
+        # in the update's precision: the first ratio is 1 to rounding, not to bf16-vs-fp32 noise
+        with timer("old_logprob"), torch.no_grad(), autocast(ctx.cfg.trainer.precision, ids.device):
+            fo = detached(forward_logprobs(ctx.model, ids[separate], attn[separate], resp[separate],
+                                           aux_layer_ids=aux_ids, position_ids=pos[separate]))
         if ctx.refresher:
             _drafter_rows(ctx, step, ids[separate], attn[separate], resp[separate], fo)
         if not fused:
