@@ -126,6 +126,9 @@ def summarize(raw: dict, steps: int) -> dict:
         "accept_len_sampled_bf16": warm["bf16"]["accept_len_sampled"],
         "accuracy_fp32": raw["accuracy"]["fp32"], "accuracy_bf16": raw["accuracy"]["bf16"],
         **parity(rec["fp32"], rec["bf16"]),
+        "parity_test": "paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over (step, "
+                       "prompt) pairs of the difference of group-mean rewards, bf16 - fp32 (same prompts per step), "
+                       "alpha 0.01",
         "reward_curves": {a: [s["reward_mean"] for s in rec[a]] for a in ARMS},
         "step_s_curves": {a: [s["step_s"] for s in rec[a]] for a in ARMS},
     }
