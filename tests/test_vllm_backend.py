@@ -259,8 +259,10 @@ def test_tail_switch_drafts_only_in_the_tail(setup):
         runs = {"tail": engine.generate(prompts, temperature=0.0),
                 "always": engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts)),
                 "off": engine.generate(prompts, temperature=0.0, spec=False)}
+        cfg, engine.cfg = engine.cfg, engine.cfg.model_copy(update={"spec_patience": 2})
+        runs["patience"] = engine.generate(prompts, temperature=0.0)
     finally:
-        engine.eos_ids, engine.trace = EOS, False
+        engine.eos_ids, engine.trace, engine.cfg = EOS, False, cfg
     traces = {k: out.stats.vllm["trace"] for k, out in runs.items()}
     print({k: v for k, v in traces.items()})
     for name, out in runs.items():
@@ -274,13 +276,25 @@ def test_tail_switch_drafts_only_in_the_tail(setup):
     assert any(always[i - 1][0] > t and always[i][1] > 0 for i in range(1, len(always)))  # drafts outside the tail
     # In the tail every running request drafts at each step (one verify step per request).
     assert all(tail[i][1] == tail[i][0] for i in range(1, len(tail)) if tail[i - 1][0] <= t and tail[i][0] <= t)
+    # spec_patience p: SD from the (p+1)-th step at <= t, as the torch engine (p = 0: one step later).
+    first_tail = next(i for i, (n, _) in enumerate(tail) if n <= t)
+    first_sd = {k: next(i for i, (_, d) in enumerate(traces[k]) if d > 0) for k in ("tail", "patience")}
+    assert first_sd == {"tail": first_tail + 1, "patience": first_tail + 2}, (first_tail, first_sd)
 
 
-def test_unsupported_sd_options_raise(setup):
+def test_unsupported_sd_options_raise_and_a_shallower_chain_runs(setup):
     from tlt.config import SpecStrategy
 
-    _, _, engine, prompts = setup
+    target, _, engine, prompts = setup
     cfg = engine.cfg
+    engine.cfg = cfg.model_copy(update={"strategy": SpecStrategy(depth=K - 1, topk=1, tokens=K - 1)})
+    try:
+        out = engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts))
+    finally:
+        engine.cfg = cfg
+    c = out.stats.vllm
+    assert c["drafts"] > 0 and c["draft_tokens"] == (K - 1) * c["drafts"]  # the call's depth, not the built one
+    assert out.response_ids == _torch_greedy(target, prompts).response_ids
     for strategy in (SpecStrategy(depth=2, topk=2, tokens=4), SpecStrategy(depth=K + 1, topk=1, tokens=K + 1),
                      SpecStrategy(depth=2, topk=1, tokens=2, source="ngram")):
         engine.cfg = cfg.model_copy(update={"strategy": strategy})
@@ -326,3 +340,23 @@ def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
             pipe.refresher.close()
         if pipe.engine is not None:
             pipe.engine.close()
+
+
+def test_bench_vllm_rollout_end_to_end(tmp_path):
+    """bench/vllm_rollout.py on the smoke recipe (tiny target, drafter fit for 2 epochs): every
+    key it promises, greedy identity, drafts only in the tail, none with SD off, 0 rebuilds."""
+    import json
+
+    from bench_scripts import load_bench
+
+    out = load_bench("vllm_rollout").main([str(ROOT / "conf" / "smoke.yaml"), "--json", str(tmp_path / "out.json"),
+                                           "--reps", "1", "--fit-epochs", "2", "--fit-prompts", "4",
+                                           "--set", "rollout.spec_threshold=2"])
+    assert json.loads((tmp_path / "out.json").read_text()) == out
+    keys = {"greedy_identical", "tail_only_drafts", "drafts_static", "drafts_tail", "sync_s", "drafter_reload_s",
+            "rebuilds", "rollout_s_vllm_plain", "rollout_s_vllm_tail", "rollout_s_vllm_always",
+            "rollout_s_torch_plain", "rollout_s_torch_tail"}
+    assert keys <= set(out), keys - set(out)
+    assert out["greedy_identical"] and out["tail_only_drafts"] and out["rebuilds"] == 0
+    assert out["drafts_plain"] == 0 and out["drafts_static"] > 0 and out["drafts_static"] >= out["drafts_tail"]
+    assert out["sync_s"] > 0 and out["drafter_reload_s"] > 0
