@@ -309,9 +309,9 @@ def main() -> int:
     # $TLT_VLLM_THREADS (an inherited OMP_NUM_THREADS=1 of a test runner must not starve it).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["OMP_NUM_THREADS"] = os.environ.get("TLT_VLLM_THREADS") or str(len(os.sched_getaffinity(0)))
-    # Idle OpenMP threads sleep instead of spinning: with one busy process beside it (the spot
-    # trainer, another job) the spinning default made SmolLM2's rollout 6x slower here (8 x 4
-    # samples: 30.7 s vs 5.2 s passive; 21.4 s vs 3.3 s alone).
+    # Idle OpenMP threads sleep instead of spinning: beside one busy process (the spot trainer,
+    # another job) the spinning default made SmolLM2's rollout of 8 x 4 samples take 21-31 s
+    # instead of 5.0-5.2 s with passive waits (3.3 s alone, spinning), measured on 2 cores.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM's logs (and any process it spawns: they inherit fd 1) write to stderr
