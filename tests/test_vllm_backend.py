@@ -14,7 +14,9 @@ the module (each engine start costs ~20-35 s on 2 cores). Asserts, all in fp32 o
   - the tail switch: with a few long sequences, drafts are verified only at steps after one
     with <= spec_threshold requests scheduled; "always" (threshold = batch) drafts more, also
     outside the tail; `spec=False` drafts nothing; greedy outputs equal in all three and to the
-    torch engine's; what vLLM cannot run (a tree strategy) raises;
+    torch engine's; `spec_patience` 2 starts SD one step later than 0 (as the torch engine); a
+    shallower chain per call drafts that depth; what vLLM cannot run (a tree strategy) raises;
+  - bench/vllm_rollout.py end to end on the smoke recipe (its keys, greedy identity, 0 rebuilds);
   - the pipeline on conf/smoke.yaml with rollout.backend=vllm: warm-start, one RL step (spot
     trainer started by the tail event), evaluation; the updated policy reaches the worker.
 """
