@@ -1,6 +1,6 @@
 """`rollout.backend: vllm`: VllmRolloutEngine (tlt/rollout/vllm_backend.py) over the worker process
 (tlt/rollout/vllm_worker.py under .venv-vllm; `bash bench/vllm_venv.sh`). One worker is shared by
-the module (each engine start costs ~20-35 s on 2 cores). Asserts, all in fp32 on tiny targets:
+the module (a start costs ~6-10 s on 2 cores, the first calls more). Asserts, in fp32 on tiny targets:
   - greedy outputs and their log-probs equal the torch RolloutEngine's on the same prompts;
   - group_size n gives len(prompts) * n sequences, group-major; sampled log-probs are
     the raw temperature-1 log-probs (tlt's own forward recomputes them);
