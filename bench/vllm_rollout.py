@@ -13,6 +13,9 @@ the same prompts: vLLM plain / tail / always and torch plain must give identical
 (`greedy_identical`); the tail run's per-step trace must show drafts only after a step with
 <= spec_threshold requests scheduled (`tail_only_drafts`; vLLM applies the K chosen at step t
 at t+1); `drafts_static` / `drafts_tail` are vLLM's verify rounds in the always / tail runs.
+On vLLM's CPU build sampled calls decode without SD (`vllm_sampled_sd` false; its sampled SD
+is not lossless, see tlt/rollout/vllm_backend.py), so there the rollout arms vllm_tail and
+vllm_always run plain and only the greedy rows speculate.
 Syncs: `sync_s` after one MLP weight and the (tied) embedding changed, `drafter_reload_s` after
 the drafter changed (export + in-place reload), `rebuilds` must stay 0.
 """
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     res = {"vllm_start_s": round(time.perf_counter() - t0, 2), "versions": vllm.versions, "vllm_threads": vllm.threads,
            "torch_threads": torch.get_num_threads(), "prompts": len(prompts), "group_size": r.group_size,
            "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "spec_threshold": r.spec_threshold,
-           "depth": r.strategy.depth, "fit_epochs": args.fit_epochs}
+           "depth": r.strategy.depth, "fit_epochs": args.fit_epochs,
+           "vllm_sampled_sd": vllm.sampled_sd}  # False: sampled vLLM arms decode without SD (vllm_backend)
     torch_plain = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter)
     tuner = StrategyTuner.from_config(r, seed=cfg.rl.seed) if r.tuner else None
     torch_tail = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter, tuner=tuner)

