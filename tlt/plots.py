@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-# Order of the stages of one RL step (DESIGN.md `timing_s/*`); other keys follow in input order.
+# Order of the stages of one RL step (`timing_s/*`); other keys follow in input order.
 STAGES = ("rollout", "reward", "old_logprob", "update_policy", "update_drafter", "sync", "checkpoint")
 NO_DATA = "no data"
 
@@ -36,7 +36,7 @@ def mark_no_data(ax: Axes, title: str) -> None:
 
 
 def metric_unit(key: str) -> str:
-    """The unit of a DESIGN.md metric name, for axis labels ("" when dimensionless or unknown)."""
+    """The unit of a tlt metric name, for axis labels ("" when dimensionless or unknown)."""
     if "tokens_per_s" in key:
         return "tokens/s"
     if key.startswith("timing_s/") or key.endswith("_s"):

@@ -2,7 +2,7 @@
 
 - `math_reward`: math-verify (`verify(parse(gold), parse(pred))`), lenient: the last `\\boxed{}`
   when there is one, else the whole text, else the last number (SmolLM2-135M mostly answers
-  with a bare number; see ENV_NOTES).
+  with a bare number; measured on SmolLM2-135M).
 - `reasoning_gym_reward`: the task's own reasoning-gym scorer on the extracted final answer.
 - `auto_reward`: per row, reasoning-gym when the row's task is a reasoning-gym dataset, else math.
 

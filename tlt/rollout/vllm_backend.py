@@ -185,7 +185,7 @@ class VllmRolloutEngine:
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.work)
         self._serial = 0
         policy_dir, drafter_dir = self._write_policy(), self._write_drafter()
-        dtype = getattr(cfg, "dtype", "auto")  # rollout.dtype: vLLM rounds the saved master weights on load
+        dtype = cfg.dtype  # rollout.dtype: vLLM rounds the saved master weights on load
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if dtype == "auto" else dtype
         if kv_cache_mib is None:
             kv_cache_mib = kv_cache_budget_mib(model.config, dtype, max_model_len + self.k, max_num_seqs)
