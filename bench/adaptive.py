@@ -171,8 +171,7 @@ def run(cfg, steps: int, max_new: int, sd_prompts: int, kl_prompts: int, out_dir
         sd = sd_check(pipe, {"frozen": frozen, "adaptive": pipe.drafter}, out_dir, sd_prompts, max_new) \
             if sd_prompts else None
     finally:
-        if pipe.refresher is not None:
-            pipe.refresher.close()
+        pipe.close()
     return {"snaps": snaps, "steps": steps_log, "warmstart": ws, **final, "sd_check": sd, "cfg": cfg}
 
 

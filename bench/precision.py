@@ -95,10 +95,7 @@ def run(config: str, overrides: list[str], steps: int, out_dir: Path) -> dict:
         accuracy = {arm: p.evaluate(steps).accuracy for arm, p in pipes.items()}
     finally:
         for p in pipes.values():
-            if p.refresher is not None:
-                p.refresher.close()
-            if p.pool is not None:
-                p.pool.close()
+            p.close()
     return {"warm": warm, "records": records, "tok_s": tok_s, "accuracy": accuracy}
 
 

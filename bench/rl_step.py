@@ -131,8 +131,7 @@ def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path)
                 runs[m]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
     finally:
         for p in pipes.values():
-            if p.refresher is not None:
-                p.refresher.close()
+            p.close()
     train_rows = pipes["plain"].dataset.train
     cfg = pipes["plain"].cfg
     del pipes

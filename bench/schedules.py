@@ -69,8 +69,7 @@ def run(config, overrides, steps: int, drafter_steps: int, out_dir: Path) -> dic
                       f"{r['drafter_steps']:.0f} steps / {r['drafter_s']:.2f} s", flush=True)
     finally:
         for p in pipes.values():
-            if p.refresher is not None:
-                p.refresher.close()
+            p.close()
     del pipes
     gc.collect()
     return recs

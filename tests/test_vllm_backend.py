@@ -352,10 +352,7 @@ def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
             [t for t in r if t not in pipe.eos_ids] for r in _torch_greedy(pipe.model, prompts, 8, pipe.eos_ids).response_ids]
         assert pipe.evaluate(1).accuracy >= 0.0
     finally:
-        if pipe.refresher is not None:
-            pipe.refresher.close()
-        if pipe.engine is not None:
-            pipe.engine.close()
+        pipe.close()
 
 
 def test_bench_vllm_rollout_end_to_end(tmp_path):

@@ -217,8 +217,7 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
             export_eagle3(pipe.drafter, pipe.model.config, export, force=force)
             out.print(f"exported the warm-started drafter to {export}")
     finally:
-        if pipe.refresher is not None:
-            pipe.refresher.close()
+        pipe.close()
 
 
 @bench_app.command("rollout")

@@ -61,10 +61,7 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
     if pipe is None:
         return
     try:
-        if pipe.refresher is not None:
-            pipe.refresher.close()
-        if pipe.pool is not None:
-            pipe.pool.close()
+        pipe.close()
     finally:  # the MLflow run gets its final status even if a worker fails to stop
         pipe.tracker.end(status)
 
@@ -88,6 +85,20 @@ class Pipeline:
         self.eval_accept_sampled: dict[int, float] = {}  # step -> at the rollout temperature
         self.champion: dict | None = None  # retrain: the registry's champion drafter version
         self.last_checkpoint: Path | None = None
+
+    def close(self) -> None:
+        """Stop what this run started: the drafter refresher (spot trainer process), the worker or Ray
+        pool and the vLLM worker. Safe to call twice; the tracker is ended by its owner."""
+        for part in (self.refresher, self.pool, self.engine):
+            close = getattr(part, "close", None)  # the in-process torch engine holds nothing to stop
+            if close is not None:
+                close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- stage 0: record what this run is ------------------------------------------------------
     def log_config(self) -> None:
