@@ -301,7 +301,8 @@ class Pipeline:
         if self.cfg.cluster.backend == "ray":
             from tlt.cluster import RayRun  # deferred: ray is an optional extra ('.[ray]'), imported only there
 
-            self.pool = RayRun.start(self.cfg, self.model, self.drafter, self.eos_ids, self.tokenizer.pad_token_id)
+            self.pool = RayRun.start(self.cfg, self.model, self.drafter, self.eos_ids, self.tokenizer.pad_token_id,
+                                     tokenizer=self.tokenizer, run_dir=self.run_dir)
             self.tracker.log_params(self.pool.params())
             self.tracker.log_metrics(self.pool.metrics(), step=0)
             return self.pool.engine

@@ -18,12 +18,18 @@ from tlt.config import ClusterConfig
 
 
 def bundles(cfg: ClusterConfig, world_size: int) -> list[dict[str, float]]:
-    """Rollout-actor bundles first (index 0..rollout_actors-1), then trainer ranks when world_size > 1."""
+    """Rollout-actor bundles first (index 0..rollout_actors-1), then trainer ranks when world_size > 1
+    (`cluster.placement: split`); colocated, bundle i holds rollout actor i and trainer rank i (the
+    config check makes their counts equal), so both see the same GPU."""
     def one(cpus: float, gpus: float) -> dict[str, float]:
         return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
+    ranks = world_size > 1
+    if cfg.placement == "colocated":
+        return [one(cfg.rollout_actor_cpus + ranks * cfg.trainer_cpus, cfg.rollout_actor_gpus + ranks * cfg.trainer_gpus)
+                for _ in range(cfg.rollout_actors)]
     out = [one(cfg.rollout_actor_cpus, cfg.rollout_actor_gpus) for _ in range(cfg.rollout_actors)]
-    if world_size > 1:
+    if ranks:
         out += [one(cfg.trainer_cpus, cfg.trainer_gpus) for _ in range(world_size)]
     return out
 
@@ -71,7 +77,7 @@ class RayPlacement:
                                                 placement_group_capture_child_tasks=True)
 
     def trainer_bundle(self, rank: int) -> int:
-        return self.cfg.rollout_actors + rank
+        return rank if self.cfg.placement == "colocated" else self.cfg.rollout_actors + rank
 
     def params(self) -> dict[str, str]:
         """Placement as MLflow params (the run's config already holds cluster.*); only values a

@@ -30,6 +30,7 @@ from tlt.rollout.tuner import StrategyTuner
 from tlt.rollout.workers import merge_batches, shard_sizes
 
 _RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back
+_ACTOR_ENV = ("TLT_FAULT", "TLT_VLLM_PYTHON", "TLT_VLLM_THREADS")  # the driver's, passed on to the actors
 
 
 class RolloutActor:
@@ -39,16 +40,21 @@ class RolloutActor:
                  pad_id: int, threads: int, tuner_seed: int | None, drafter_args: tuple | None):
         torch.set_num_threads(threads)
         cfg = RolloutConfig.model_validate_json(rollout_json)
-        self.rank, self.version = rank, -1  # -1: random init, no policy loaded yet
         device = "cuda" if ray.get_gpu_ids() else "cpu"  # Ray shows a GPU actor its device(s) only
+        self._models(rank, model_cls, model_config, dtype, drafter_args, device)
+        tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
+        self.engine = RolloutEngine(self.model, cfg, eos_ids, pad_id, drafter=self.drafter, tuner=tuner)
+
+    def _models(self, rank: int, model_cls, model_config, dtype: torch.dtype, drafter_args: tuple | None,
+                device: str) -> None:
+        """A randomly initialised policy (+ drafter) of the run's architecture; `load` fills them."""
+        self.rank, self.version = rank, -1  # -1: random init, no policy loaded yet
         self.model = model_cls(model_config).to(device=device, dtype=dtype).eval()
         self.drafter = None
         if drafter_args is not None:
             vd, aux_ids = drafter_args
             self.drafter = Eagle3Drafter(model_config, self.model.get_input_embeddings().weight, vd, aux_ids)
             self.drafter = self.drafter.to(device).eval()
-        tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
-        self.engine = RolloutEngine(self.model, cfg, eos_ids, pad_id, drafter=self.drafter, tuner=tuner)
 
     def load(self, version: int, weights: dict) -> int:
         with torch.no_grad():
@@ -85,17 +91,24 @@ class RayRolloutPool:
         self.version, self.rollout_version, self.restarts = -1, -1, 0
         self._sig, self._ref = None, None
         c = placement.cfg
-        env = {k: os.environ[k] for k in ("TLT_FAULT",) if k in os.environ}
-        dargs = None if self._drafter is None else (self._drafter.draft_vocab_size, self._drafter.aux_layer_ids)
-        remote = ray.remote(RolloutActor)
-        self.actors = [remote.options(
+        env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
+        self._dargs = None if self._drafter is None else (self._drafter.draft_vocab_size, self._drafter.aux_layer_ids)
+        self._eos, self._pad, self._seed = list(eos_ids), pad_id, seed
+        self.actors = [ray.remote(self.actor_cls).options(
             num_cpus=c.rollout_actor_cpus, num_gpus=c.rollout_actor_gpus, max_restarts=c.max_restarts,
             max_task_retries=0, scheduling_strategy=placement.strategy(rank), name=None,
-            runtime_env={"env_vars": env} if env else None).remote(
-                rank, type(model), model.config, next(model.parameters()).dtype, cfg.model_dump_json(), list(eos_ids), pad_id,
-                max(1, int(c.rollout_actor_cpus)), (seed * 1000 + rank) if cfg.tuner else None, dargs)
+            runtime_env={"env_vars": env} if env else None).remote(*self._actor_args(rank))
             for rank in range(self.n)]
         self._push()
+
+    actor_cls = RolloutActor
+
+    def _actor_args(self, rank: int) -> tuple:
+        """`actor_cls`'s constructor arguments for actor `rank` (Ray repeats them at a restart)."""
+        m, cfg = self._model, self.cfg
+        return (rank, type(m), m.config, next(m.parameters()).dtype, cfg.model_dump_json(), self._eos, self._pad,
+                max(1, int(self.placement.cfg.rollout_actor_cpus)), (self._seed * 1000 + rank) if cfg.tuner else None,
+                self._dargs)
 
     def _modules(self) -> list:
         return [self._model] + ([self._drafter] if self._drafter is not None else [])

@@ -30,11 +30,12 @@ from tlt.config.stages import (
     Stage,
     TrackingConfig,
     TrainerConfig,
+    VllmConfig,
 )
 
 __all__ = [
     "ClusterConfig", "ConfigError", "DataConfig", "DeployConfig", "DrafterConfig", "EvalConfig", "ExportConfig", "GeneratorSpec",
     "ModelConfig", "RLConfig", "RolloutConfig", "RunConfig", "SpecStrategy", "Stage", "TrackingConfig",
-    "TrainerConfig", "apply_overrides", "build_config", "dump_yaml", "flatten", "load_config",
+    "TrainerConfig", "VllmConfig", "apply_overrides", "build_config", "dump_yaml", "flatten", "load_config",
     "reference_markdown",
 ]

@@ -138,6 +138,22 @@ class DrafterConfig(Stage):
     buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
 
 
+class VllmConfig(Stage):
+    enforce_eager: bool | Literal["auto"] = Field(
+        "auto", description="Decode without CUDA graphs or torch.compile (auto: eager on CPU, where compiling "
+        "costs minutes at start, CUDA graphs on a GPU)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=0.98, description="Share of each of its GPUs the vLLM "
+                                          "engine takes (weights, activations, CUDA graphs; the KV cache gets the "
+                                          "rest); leave the update its room unless sleep mode hands it over. GPU "
+                                          "only: on CPU tlt sizes the KV cache for the batch")
+    sleep_mode: bool | Literal["auto"] = Field(
+        "auto", description="vLLM sleeps (level 1: weights to host memory, KV cache dropped) during the policy "
+        "update and wakes before the weight sync (auto: where a GPU is shared with the update: a local run, or "
+        "cluster.placement colocated; vLLM's CPU build has none, true there is refused)")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs of one vLLM engine (tensor parallelism "
+                                      "for a large target); on Ray each rollout actor reserves that many")
+
+
 class RolloutConfig(Stage):
     backend: Literal["torch", "vllm"] = Field("torch", description="Embedded torch engine or vLLM")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -181,6 +197,7 @@ class RolloutConfig(Stage):
                                     "(the newest; 0 = none; in memory, per engine, not checkpointed)")
     history_prompts: int = Field(2048, ge=1, description="Prompts whose earlier responses are kept (least recently "
                                  "used dropped first)")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine options (rollout.backend: vllm)")
 
     @model_validator(mode="after")
     def _workers_need_torch(self):
@@ -243,6 +260,9 @@ class ClusterConfig(Stage):
     trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved per trainer rank (trainer.world_size > 1)")
     max_restarts: int = Field(3, ge=0, description="Restarts of a dead rollout actor; its shard is re-run on the "
                               "restarted actor with the current policy version")
+    placement: Literal["split", "colocated"] = Field(
+        "split", description="split: rollout actors and trainer ranks on bundles of their own; colocated: trainer "
+        "rank i shares rollout actor i's bundle (its GPU: vLLM sleeps during the update, rollout.vllm.sleep_mode)")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy of the run's bundles")
 
@@ -334,5 +354,25 @@ class RunConfig(Stage):
             raise ValueError("trainer.world_size > 1 places the trainer ranks as Ray actors: set cluster.backend: ray")
         if self.cluster.backend == "ray" and self.rollout.workers > 1:
             raise ValueError("cluster.backend: ray shards rollouts over cluster.rollout_actors; set rollout.workers: 1")
-        if self.cluster.backend == "ray" and self.rollout.backend != "torch":
-            raise ValueError("cluster.backend: ray runs the torch rollout engine in actors; set rollout.backend: torch")
+        if self.cluster.backend == "ray":
+            self._placement_checks()
+
+    def _placement_checks(self) -> None:
+        c, ws, v = self.cluster, self.trainer.world_size, self.rollout.vllm
+        vllm = self.rollout.backend == "vllm"
+        if c.placement == "colocated" and ws > 1 and c.rollout_actors != ws:
+            raise ValueError(f"cluster.placement: colocated puts trainer rank i on rollout actor i's bundle, but there "
+                             f"are {c.rollout_actors} actors for {ws} ranks: set cluster.rollout_actors: {ws}, or "
+                             "cluster.placement: split")
+        if vllm and v.tensor_parallel_size > 1 and c.placement == "colocated":
+            raise ValueError("rollout.vllm.tensor_parallel_size > 1 gives each rollout actor whole GPUs, which Ray "
+                             "cannot share with a trainer rank: set cluster.placement: split, or tensor_parallel_size: 1")
+        if vllm and c.rollout_actor_gpus and c.rollout_actor_gpus != v.tensor_parallel_size and (
+                v.tensor_parallel_size > 1 or c.rollout_actor_gpus > 1):
+            raise ValueError(f"each rollout actor's vLLM engine spans rollout.vllm.tensor_parallel_size = "
+                             f"{v.tensor_parallel_size} GPU(s) but reserves cluster.rollout_actor_gpus = "
+                             f"{c.rollout_actor_gpus:g}: set cluster.rollout_actor_gpus: {v.tensor_parallel_size}")
+        if vllm and v.sleep_mode is True and c.placement == "split" and ws > 1:
+            raise ValueError("rollout.vllm.sleep_mode: true frees the rollout GPUs for an update that shares them, but "
+                             "cluster.placement: split gives the trainer ranks GPUs of their own: set sleep_mode: auto "
+                             "or cluster.placement: colocated")

