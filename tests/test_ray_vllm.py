@@ -1,0 +1,135 @@
+"""vLLM rollout engines as Ray actors (`make test-ray`; needs the vLLM venv, bash bench/vllm_venv.sh):
+2 actors in a placement group, each owning a vLLM worker process, on a tiny fp32 Llama with an
+EAGLE-3 drafter. Asserts:
+  - greedy outputs equal one vLLM engine's on the same prompts (SD on every step), and the
+    options each actor's worker resolved on this platform are the CPU ones (eager, no sleep mode);
+  - after a policy update the actors report the new version and decode with it (in place: the
+    same worker processes);
+  - an actor SIGKILLed as its first shard starts is restarted, reloaded with the current
+    version, its shard re-run: nothing lost; the killed actor's vLLM worker exits with it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from tlt.cluster import RayPlacement, RayVllmPool  # noqa: E402
+from tlt.config import ClusterConfig, DrafterConfig, RolloutConfig, SpecStrategy  # noqa: E402
+from tlt.drafter.model import build_drafter  # noqa: E402
+from tlt.models import tiny_model, tiny_tokenizer  # noqa: E402
+from tlt.rollout.vllm_backend import VllmRolloutEngine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.skipif(
+    not VLLM_PY.exists(), reason=f"no vLLM venv at {VLLM_PY}; build it with `bash bench/vllm_venv.sh`")]
+PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 20, 21, 22, 23], [1, 30], [1, 4, 4, 4, 4, 4], [1, 60, 3]]
+CFG = RolloutConfig(backend="vllm", max_new_tokens=12, temperature=0.0, spec_threshold=100, tuner=False,
+                    strategy=SpecStrategy(depth=3, topk=1, tokens=3))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A local Ray instance with 2 rollout bundles of one CPU, the model, its drafter, a local engine."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ.setdefault("TLT_VLLM_THREADS", "1")  # 2 cores: one per worker
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    placement = RayPlacement.start(ClusterConfig(backend="ray", rollout_actors=2, max_restarts=2), world_size=1)
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=2, hidden=128, vocab=512, seed=3).eval()
+    drafter = build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval()
+    run = tmp_path_factory.mktemp("run")
+    yield placement, model, drafter, run
+    placement.close()
+    ray.shutdown()
+
+
+def _pool(placement, model, drafter, run) -> RayVllmPool:
+    return RayVllmPool(placement, model, CFG, [2], 0, tiny_tokenizer(), run / "actors", drafter=drafter,
+                       max_model_len=64)
+
+
+def _local(model, drafter, run) -> VllmRolloutEngine:
+    return VllmRolloutEngine(model, CFG, [2], 0, drafter=drafter, tokenizer=tiny_tokenizer(), run_dir=run / "local",
+                             max_model_len=64, max_num_seqs=12)
+
+
+def _update(model, undo: bool = False) -> None:
+    """A policy update (a seeded perturbation of one MLP weight), or its undo."""
+    w = model.model.layers[1].mlp.down_proj.weight
+    delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(7)) * 0.5
+    with torch.no_grad():
+        w.sub_(delta) if undo else w.add_(delta)
+
+
+def test_actors_match_one_engine_and_report_the_new_version(setup):
+    placement, model, drafter, run = setup
+    local = _local(model, drafter, run)  # the reference: one vLLM engine, before and after the update
+    try:
+        ref = local.generate(PROMPTS, group_size=2, spec=True)
+        _update(model)
+        local.sync(model)
+        ref_new = local.generate(PROMPTS, spec=False)
+    finally:
+        local.close()
+        _update(model, undo=True)
+    pool = _pool(placement, model, drafter, run)
+    try:
+        assert pool.version == 0 and len(set(pool.worker_pids())) == 2 and os.getpid() not in pool.pids()
+        for opts in pool.options():  # rollout.vllm as each actor's worker resolved it on this CPU
+            assert {"platform=cpu", "enforce_eager=True", "sleep_mode=False"} <= set(opts)
+        tails = []
+        out = pool.generate(PROMPTS, group_size=2, spec=True, on_tail=tails.append)
+        assert out.response_ids == ref.response_ids and out.group_index == [i // 2 for i in range(12)]
+        assert tails == [1] and out.stats.spec_steps > 0 and pool.rollout_version == 0
+        workers = pool.worker_pids()
+        _update(model)
+        m = pool.sync(model)
+        assert m["cluster/weights_pushed"] == 1.0 and pool.version == 1
+        after = pool.generate(PROMPTS, spec=False)
+        assert pool.rollout_version == 1 and pool.sync(model)["rollout/policy_version"] == 1.0
+        assert after.response_ids == ref_new.response_ids and after.response_ids != ref.response_ids[::2]
+        assert pool.worker_pids() == workers  # reloaded in place: the same engines
+    finally:
+        pool.close()
+        _update(model, undo=True)
+
+
+def test_an_actor_killed_mid_rollout_loses_nothing(setup, monkeypatch):
+    """TLT_FAULT=rollout_actor:1 SIGKILLs actor 1 as its first shard starts: Ray restarts it (a new
+    vLLM worker), the pool loads the current version into it and re-runs the shard; the outputs
+    equal an undisturbed rollout's, and the dead actor's worker does not outlive it."""
+    placement, model, drafter, run = setup
+    pool = _pool(placement, model, drafter, run)  # undisturbed: the reference
+    try:
+        ref = pool.generate(PROMPTS, group_size=2, spec=True).response_ids
+    finally:
+        pool.close()
+    monkeypatch.setenv("TLT_FAULT", "rollout_actor:1")
+    pool = _pool(placement, model, drafter, run)
+    try:
+        first = pool.worker_pids()[1]
+        out = pool.generate(PROMPTS, group_size=2, spec=True)
+        assert out.response_ids == ref and pool.restarts == 1 and pool.rollout_version == pool.version == 0
+        assert pool.worker_pids()[1] != first
+        deadline = time.monotonic() + 60  # the orphaned worker reads EOF on its pipe and exits
+        while _alive(first) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(first)
+    finally:
+        pool.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
