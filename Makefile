@@ -28,10 +28,12 @@ run: venv
 test: venv
 	$(BIN)/python -m pytest -q -m "not vllm and not browser and not ray" tests
 
-# Scale-out on Ray: installs the `ray` extra into .venv, then the tests that start local Ray instances.
+# Scale-out on Ray: installs the `ray` extra into .venv and builds the vLLM venv (vLLM rollout actors),
+# then the tests that start local Ray instances.
 test-ray: venv
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,ray]'
-	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m ray tests/test_ray.py tests/test_ray_e2e.py
+	bash bench/vllm_venv.sh
+	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m ray tests/test_ray.py tests/test_ray_e2e.py tests/test_ray_vllm.py
 
 test-vllm: venv
 	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py tests/test_vllm_backend.py

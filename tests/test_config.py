@@ -98,6 +98,24 @@ def test_cli_config_check_exit_codes(tmp_path):
     assert r.returncode == 2 and "rl.steps" in r.stderr
 
 
+def test_cli_config_check_validates_every_recipe():
+    """`tlt config check conf/*.yaml`: each recipe, the GPU ones included, passes without a model or a GPU."""
+    recipes = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "conf").glob("*.yaml"))
+    r = _cli("config", "check", *recipes)
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[1] for line in r.stdout.splitlines() if line.startswith("ok:")] == recipes
+    assert "conf/gpu-8x.yaml is valid" in r.stdout and "8 vllm rollout actor(s), 8 trainer rank(s), colocated, 8 GPU(s)" in r.stdout
+    assert "16 GPU(s)" in r.stdout  # gpu-2node
+
+
+def test_gpu_recipes_train_fp32_masters_with_vllm_on_cuda_graphs():
+    for name in ("gpu-1x", "gpu-8x", "gpu-2node"):
+        cfg = load_config(ROOT / "conf" / f"{name}.yaml")
+        assert (cfg.model.dtype, cfg.trainer.precision, cfg.rollout.dtype) == ("float32", "bf16-mixed", "bfloat16")
+        v = cfg.rollout.vllm
+        assert cfg.rollout.backend == "vllm" and v.enforce_eager is False and v.sleep_mode is True
+
+
 def test_workers_with_vllm_backend_is_refused():
     with pytest.raises(ConfigError, match="rollout.workers: 1 with rollout.backend: vllm"):
         load_config(ROOT / "conf" / "smoke.yaml", ["rollout.workers=2", "rollout.backend=vllm"])

@@ -154,5 +154,5 @@ def test_pure_low_precision_update_is_refused_with_the_fix():
 
 
 def test_gpu_recipe_trains_fp32_masters_in_bf16():
-    cfg = load_config("conf/gpu-qwen2.5-7b.yaml")
+    cfg = load_config("conf/gpu-8x.yaml")
     assert cfg.model.dtype == "float32" and cfg.trainer.precision == "bf16-mixed" and cfg.rollout.dtype == "bfloat16"

@@ -56,10 +56,19 @@ def _load(config: Path | None, overrides: list[str] | None):
 
 
 @config_app.command("check")
-def config_check(file: Path, set_: Optional[list[str]] = SetOpt) -> None:
-    """Exit 0 when FILE (with overrides) is a valid run config, 2 otherwise."""
-    cfg = _load(file, set_)
-    out.print(f"ok: {file} is valid (model {cfg.model.name_or_path}, {cfg.rl.steps} RL steps)")
+def config_check(files: list[Path], set_: Optional[list[str]] = SetOpt) -> None:
+    """Exit 0 when every FILE (with overrides) is a valid run config, 2 at the first that is not. Loads
+    no model: keys, values and their cross-checks (placement, precision, backends), and what a Ray
+    run reserves."""
+    for file in files:
+        cfg = _load(file, set_)
+        c, ws = cfg.cluster, cfg.trainer.world_size
+        where = ""
+        if c.backend == "ray":
+            gpus = c.rollout_actors * c.rollout_actor_gpus + (ws > 1) * ws * c.trainer_gpus
+            where = (f"; Ray: {c.rollout_actors} {cfg.rollout.backend} rollout actor(s), {ws} trainer rank(s), "
+                     f"{c.placement}, {gpus:g} GPU(s)")
+        out.print(f"ok: {file} is valid (model {cfg.model.name_or_path}, {cfg.rl.steps} RL steps{where})", highlight=False)
 
 
 @config_app.command("show")

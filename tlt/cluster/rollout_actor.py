@@ -140,6 +140,10 @@ class RayRolloutPool:
         return {"rollout/policy_version": float(self.rollout_version), "cluster/weights_version": float(self.version),
                 "cluster/weights_pushed": float(pushed), "cluster/actor_restarts": float(self.restarts)}
 
+    def sleep(self) -> dict[str, float]:
+        """Nothing to hand to the update: torch actors keep their weights (vLLM actors: vllm_actor.py)."""
+        return {}
+
     def _submit(self, rank: int, shard: tuple[list, dict]):
         return self.actors[rank].generate.remote(*shard)
 

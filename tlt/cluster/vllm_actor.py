@@ -41,8 +41,12 @@ class VllmRolloutActor(RolloutActor):
 
     def load(self, version: int, weights: dict) -> int:
         super().load(version, weights)
-        self.engine.sync()  # wakes a sleeping engine, then reloads the changed weights in place
+        self.synced = self.engine.sync()  # wakes a sleeping engine, then reloads the changed weights in place
         return version
+
+    def last_sync(self) -> dict[str, float]:
+        """The `rollout/vllm_*` metrics of the last `load` (sync and reload times, wake, rebuilds)."""
+        return getattr(self, "synced", {})
 
     def sleep(self) -> dict[str, float]:
         return self.engine.sleep()
@@ -73,6 +77,14 @@ class RayVllmPool(RayRolloutPool):
               "colocated": self.placement.cfg.placement == "colocated"}
         return (rank, type(m), m.config, next(m.parameters()).dtype, cfg.model_dump_json(), self._eos, self._pad,
                 max(1, int(self.placement.cfg.rollout_actor_cpus)), self._tokenizer, self._dargs, kw)
+
+    def sync(self, model=None) -> dict[str, float]:
+        """The torch pool's `sync`, plus the actors' `rollout/vllm_*` metrics (the slowest actor's)."""
+        out = super().sync(model)
+        for m in ray.get([a.last_sync.remote() for a in self.actors]):
+            for k, v in m.items():
+                out[k] = max(out.get(k, v), v)
+        return out
 
     def sleep(self) -> dict[str, float]:
         """Every engine to sleep (sleep mode only) before the policy update; `sync` wakes them."""

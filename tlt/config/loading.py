@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -118,6 +118,8 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
 def _type_name(ann: Any) -> str:
     if getattr(ann, "__origin__", None) is Literal:
         return " / ".join(repr(a) for a in ann.__args__)
+    if getattr(ann, "__origin__", None) is Union:  # with a Literal member (bool | Literal['auto'])
+        return " | ".join(_type_name(a) for a in ann.__args__)
     return getattr(ann, "__name__", str(ann)).replace("typing.", "")
 
 

@@ -50,6 +50,10 @@ class Engine(Protocol):
     def sync(self, model=None) -> dict[str, float]:
         """Make the engine decode with `model`'s current weights (a no-op in this process)."""
 
+    def sleep(self) -> dict[str, float]:
+        """Before the policy update: hand the engine's accelerator memory to it (vLLM sleep mode;
+        the `sync` after the update wakes the engine). {} where there is nothing to hand over."""
+
 
 @runtime_checkable
 class Refresher(Protocol):
@@ -234,9 +238,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
     keep = ~zero_std_groups(torch.tensor(rewards), group_ids) if cfg.rl.filter_zero_std else torch.ones_like(adv, dtype=torch.bool)
     ids, attn, resp, pos = make_batch(batch.prompt_ids, batch.response_ids, ctx.tokenizer.pad_token_id)
-    sleep = getattr(ctx.engine, "sleep", None)  # vLLM sleep mode: its GPU memory goes to the update, `sync` wakes it
-    if sleep is not None:
-        metrics.update(sleep())
+    metrics.update(ctx.engine.sleep())  # vLLM sleep mode: its GPU memory goes to the update, `sync` wakes it
     metrics.update(_update(ctx, step, (ids, attn, resp, pos), adv, keep, timer))
     if ctx.refresher:  # sequential refresh (when not spot-trained)
         with timer("update_drafter"):

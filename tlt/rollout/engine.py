@@ -125,6 +125,10 @@ class RolloutEngine:
             return {}
         return {"rollout/weights_copied": float(self.copy.refresh(model if model is not None else self.master))}
 
+    def sleep(self) -> dict[str, float]:
+        """Nothing to hand to the update: this engine decodes with the policy's own memory."""
+        return {}
+
     # ---- steps ---------------------------------------------------------------------------
     def _decode(self, st: DecodeState, opts, gen, outs, use_spec: bool, threshold: int, on_tail) -> None:
         """Decode until every row finished: plain steps, SD rounds once <= threshold rows ran for

@@ -251,6 +251,7 @@ class Worker:
 
         platform = platform_name(current_platform)
         req["resolved"] = vllm_options.resolve(req.get("options") or {}, platform)
+        print(f"tlt: rollout.vllm resolved: {', '.join(vllm_options.notes(req['resolved'], platform))}", flush=True)
         return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
                 "threads": torch.get_num_threads(), "options": vllm_options.notes(req["resolved"], platform),
                 "sleep_mode": req["resolved"]["sleep_mode"],

@@ -124,6 +124,10 @@ class WorkerPool:
         for _ in range(n_workers):
             self._get(300.0)
 
+    def sleep(self) -> dict[str, float]:
+        """Nothing to hand to the update: the workers decode from shared host memory."""
+        return {}
+
     def sync(self, model=None) -> dict[str, float]:
         """Copy the tensors whose storage moved (a backend rebound them) into the shared ones.
 
