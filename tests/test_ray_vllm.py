@@ -8,6 +8,7 @@ EAGLE-3 drafter. Asserts:
     (sleep, update, wake, reload: tlt's plumbing, forced on this CPU);
   - an actor SIGKILLed as its first shard starts is restarted, reloaded with the current
     version, its shard re-run: nothing lost; the killed actor's vLLM worker exits with it;
+  - `rollout.vllm.sleep_mode: true` on the CPU build: a UserError with the fix, before any engine;
   - `tlt run conf/smoke.yaml` on Ray with 2 vLLM actors and 2 ZeRO-2 ranks, an actor killed in
     step 1: FINISHED with the vLLM and cluster metrics, no sample lost.
 """
@@ -62,6 +63,17 @@ def _pool(placement, model, drafter, run) -> RayVllmPool:
 def _local(model, drafter, run) -> VllmRolloutEngine:
     return VllmRolloutEngine(model, CFG, [2], 0, drafter=drafter, tokenizer=tiny_tokenizer(), run_dir=run / "local",
                              max_model_len=64, max_num_seqs=12)
+
+
+def test_sleep_mode_true_on_the_cpu_build_stops_with_the_fix(tmp_path):
+    """The worker resolves the options on its platform (vLLM's CPU build here) and refuses sleep mode
+    before building an engine: a UserError (exit 2) that names the key and the fix."""
+    from tlt.errors import UserError
+
+    cfg = RolloutConfig(backend="vllm", spec=False, vllm={"sleep_mode": True})
+    with pytest.raises(UserError, match=r"rollout.vllm.sleep_mode: true needs a GPU.*sleep_mode: auto"):
+        VllmRolloutEngine(tiny_model("llama", layers=2, hidden=128, vocab=512), cfg, [2], 0, tokenizer=tiny_tokenizer(),
+                          run_dir=tmp_path, max_model_len=64, max_num_seqs=4)
 
 
 def _update(model, undo: bool = False) -> None:

@@ -1,6 +1,6 @@
 """`rollout.vllm` resolved per platform (tlt/rollout/vllm_options.py) and the cluster checks that
-go with it: fast, no engine. The CPU engine test that the options reach vLLM is in
-tests/test_ray_vllm.py (the options each actor's worker reports)."""
+go with it: fast, no engine. That the options reach vLLM, and that the CPU build's worker refuses
+sleep mode with the fix, is tested in tests/test_ray_vllm.py (with the vLLM venv)."""
 import pytest
 
 from tlt.config import ConfigError, RunConfig, build_config
@@ -73,3 +73,4 @@ def test_option_ranges_are_checked():
     with pytest.raises(ConfigError, match="rollout.vllm.sleep_mode"):
         build_config(overrides=["rollout.vllm.sleep_mode=sometimes"])
     assert build_config(overrides=["rollout.vllm.enforce_eager=false"]).rollout.vllm.enforce_eager is False
+
