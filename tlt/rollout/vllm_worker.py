@@ -292,7 +292,7 @@ class Worker:
         return {"time_s": time.perf_counter() - t0}
 
     def _rpc(self, method: str, *args) -> dict:
-        return self.llm.collective_rpc(method, args=args)[0]  # one worker (no tensor parallelism)
+        return self.llm.collective_rpc(method, args=args)[0]  # every rank runs it (tensor parallel); rank 0 replies
 
 
 def serve(inp, out) -> int:
