@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -129,15 +130,20 @@ def test_actors_match_one_engine_and_report_the_new_version(setup):
 def test_an_actor_killed_mid_rollout_loses_nothing(setup, monkeypatch):
     """TLT_FAULT=rollout_actor:1 SIGKILLs actor 1 as its first shard starts: Ray restarts it (a new
     vLLM worker), the pool loads the current version into it and re-runs the shard; the outputs
-    equal an undisturbed rollout's, and the dead actor's worker does not outlive it."""
+    equal an undisturbed rollout's, and the dead actor's worker does not outlive it. An actor
+    killed between rollouts misses the weight push; it is reloaded before its shard."""
     placement, model, drafter, run = setup
-    pool = _pool(placement, model, drafter, run)  # undisturbed: the reference
+    pool = _pool(placement, model, drafter, run)  # undisturbed: the reference, before and after an update
     try:
         ref = pool.generate(PROMPTS, group_size=2, spec=True).response_ids
+        _update(model)
+        pool.sync(model)
+        ref_new = pool.generate(PROMPTS, spec=False).response_ids
     finally:
         pool.close()
+        _update(model, undo=True)
     monkeypatch.setenv("TLT_FAULT", "rollout_actor:1")
-    pool = _pool(placement, model, drafter, run)
+    pool, updated = _pool(placement, model, drafter, run), False
     try:
         first = pool.worker_pids()[1]
         out = pool.generate(PROMPTS, group_size=2, spec=True)
@@ -147,7 +153,16 @@ def test_an_actor_killed_mid_rollout_loses_nothing(setup, monkeypatch):
         while _alive(first) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not _alive(first)
+        dead = pool.pids()[0]
+        os.kill(dead, signal.SIGKILL)  # between rollouts, before the weight push of a step
+        _update(model)
+        updated = True
+        pool.sync(model)  # the push reaches the restarted actor, or it fails and the rollout reloads it
+        assert pool.generate(PROMPTS, spec=False).response_ids == ref_new
+        assert pool.rollout_version == pool.version == 1 and dead not in pool.pids()
     finally:
+        if updated:
+            _update(model, undo=True)
         pool.close()
 
 

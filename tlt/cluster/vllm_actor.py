@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from tlt.cluster.rollout_actor import RayRolloutPool, RolloutActor
 from tlt.config import RolloutConfig
@@ -59,6 +60,18 @@ class VllmRolloutActor(RolloutActor):
         return self.engine.options
 
 
+def _each(refs: list) -> list[dict]:
+    """The replies of the actors that answered; one that died meanwhile is restarted awake, without
+    weights, and reloaded before its next shard (`RayRolloutPool.generate`)."""
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref))
+        except RayActorError:
+            continue
+    return out
+
+
 class RayVllmPool(RayRolloutPool):
     """`cluster.rollout_actors` vLLM actors; the same sharding, versions and restarts as the torch pool."""
 
@@ -81,14 +94,14 @@ class RayVllmPool(RayRolloutPool):
     def sync(self, model=None) -> dict[str, float]:
         """The torch pool's `sync`, plus the actors' `rollout/vllm_*` metrics (the slowest actor's)."""
         out = super().sync(model)
-        for m in ray.get([a.last_sync.remote() for a in self.actors]):
+        for m in _each([a.last_sync.remote() for a in self.actors]):
             for k, v in m.items():
                 out[k] = max(out.get(k, v), v)
         return out
 
     def sleep(self) -> dict[str, float]:
         """Every engine to sleep (sleep mode only) before the policy update; `sync` wakes them."""
-        times = [m.get("rollout/vllm_sleep_s", 0.0) for m in ray.get([a.sleep.remote() for a in self.actors])]
+        times = [m.get("rollout/vllm_sleep_s", 0.0) for m in _each([a.sleep.remote() for a in self.actors])]
         return {"rollout/vllm_sleep_s": max(times)} if any(times) else {}
 
     def options(self) -> list[list[str]]:
