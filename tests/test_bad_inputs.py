@@ -55,6 +55,7 @@ def test_bad_config(tmp_path, yaml_text, sets, words):
     _refused(proc, *words)
 
 
+@pytest.mark.slow
 def test_export_into_non_empty_dir_refused_before_training(prefect_api, tmp_path):
     out = tmp_path / "served"
     out.mkdir()
