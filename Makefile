@@ -61,7 +61,7 @@ test-ui: venv
 docs: venv
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,docs]'
 	$(BIN)/python bench/render.py --check
-	$(BIN)/mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
 ui: venv
 	$(BIN)/tlt ui
