@@ -93,7 +93,7 @@ def status_block(results: dict, prefix: str) -> str:
             continue
         link, where = f"[{n}.json]({prefix}/{n}.json)", f"`{recipe(r)}`"
         rows.append(f"| bf16-mixed vs fp32, whole RL step | **{x(r['step_speedup'])}** faster, reward curves "
-                    f"p = {r['parity_p_value']:.2f} | {where} | {r['machine']} | {link} |")
+                    f"p = {r['parity_p_value']:.3f} | {where} | {r['machine']} | {link} |")
         rows.append(f"| SD vs plain decoding, rollout tokens/s at the recipe's batch | {x(sd_ratio(r, 'fp32'))} "
                     f"(fp32), {x(sd_ratio(r, 'bf16'))} (bf16) | {where} | {r['machine']} | {link} |")
         rows.append(f"| drafter accept length after warm-start (greedy, fp32) | {r['accept_len_fp32']:.2f} tokens "
