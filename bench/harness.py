@@ -48,7 +48,8 @@ def load(name: str):
 # ---------------------------------------------------------------- command line
 def parser(doc: str, steps: int | None = None, out_dir: bool = False) -> argparse.ArgumentParser:
     """CONFIG, --json, --set (repeatable); --steps when the suite runs RL steps; --out-dir when it
-    keeps run folders (default: a temporary folder, removed)."""
+    keeps run folders (default: a temporary folder, removed). Benchmarks run offline (HF_HUB_OFFLINE)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("--json", dest="json_out", help="write the result (with its provenance header) here")

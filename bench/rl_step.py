@@ -1,5 +1,6 @@
-"""RL step benchmark: the tlt GRPO loop plain / with the adaptive drafter / with a frozen drafter,
-and TRL's GRPOTrainer as the peer, on the same model, prompts, group size and lengths.
+"""RL step benchmark: tlt's GRPO loop plain, with the adaptive drafter and with a frozen drafter, and TRL.
+
+The three tlt runs and TRL's GRPOTrainer as the peer use the same model, prompts, group size and lengths.
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl]
 
@@ -18,20 +19,21 @@ TRL runs afterwards in its own venv (`.venv-trl`, created once) through bench/tr
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import mean_excluding_first  # noqa: E402
+
+ROOT = harness.ROOT
 MODES = {  # overrides per run; the spot trainer needs refresh_every > 0 to be wired into the step
     "plain": ["rollout.spec=false", "drafter.refresh_every=0", "drafter.spot=false"],
     "adaptive": ["rollout.spec=true", "drafter.spot=true", "drafter.refresh_every=1"],
@@ -48,13 +50,10 @@ PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 
 
 # ---------------------------------------------------------------- configs and the tlt runs
 def mode_config(config: str | None, overrides: list[str], mode: str, steps: int, out_dir: Path):
-    """RunConfig of one run. rl.steps = N + 1 so that the pipeline's final checkpoint (outside
-    `timing_s/step`, ~1.6 GB for SmolLM2) is never written; per-step checkpoints are off."""
+    """RunConfig of one run (harness.run_overrides: no checkpoint inside or after the timed steps)."""
     from tlt.config import load_config
 
-    extra = [f"name=bench-{mode}", f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}",
-             f"rl.steps={steps + 1}", "tracking.samples_every=0"]
-    return load_config(config, list(overrides) + MODES[mode] + extra)
+    return load_config(config, list(overrides) + MODES[mode] + harness.run_overrides(out_dir, steps, f"bench-{mode}"))
 
 
 def shared_warmstart(pipes: dict) -> bool:
@@ -106,22 +105,16 @@ def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
 
 def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path) -> dict:
     """The three runs, interleaved step by step; returns per-mode step records and end results."""
-    from tlt.pipeline import Pipeline
-
-    pipes = {m: Pipeline(mode_config(config, overrides, m, steps, out_dir)) for m in MODES}
-    for p in pipes.values():
-        p.validate_data()
-        p.prepare()
-    same_drafter = shared_warmstart(pipes)
     runs: dict[str, dict] = {m: {"steps": []} for m in MODES}
-    order = list(MODES)
-    try:
-        for step in range(steps):
-            for m in order[step % 3:] + order[: step % 3]:  # rotate who goes first
-                summary = pipes[m].rl_step(step)
-                runs[m]["steps"].append(step_record(summary))
-                print(f"step {step} {m:>8}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
-                      f"accept {summary.accept_len or 0:.2f}", flush=True)
+
+    def on_step(m, step, summary):
+        runs[m]["steps"].append(step_record(summary))
+        print(f"step {step} {m:>8}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
+              f"accept {summary.accept_len or 0:.2f}", flush=True)
+
+    with harness.pipelines({m: mode_config(config, overrides, m, steps, out_dir) for m in MODES}) as pipes:
+        same_drafter = shared_warmstart(pipes)
+        harness.interleave(pipes, steps, on_step)
         for m, p in pipes.items():
             if p.cfg.rollout.spec:
                 same, ev = greedy_identical(p, steps)
@@ -129,12 +122,8 @@ def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path)
             else:
                 ev = p.evaluate(steps)
                 runs[m]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
-    finally:
-        for p in pipes.values():
-            p.close()
-    train_rows = pipes["plain"].dataset.train
-    cfg = pipes["plain"].cfg
-    del pipes
+        train_rows, cfg = pipes["plain"].dataset.train, pipes["plain"].cfg
+    del pipes  # free the three models before TRL runs
     gc.collect()
     return {"runs": runs, "same_warmstart_drafter": same_drafter, "train_rows": train_rows, "cfg": cfg}
 
@@ -166,10 +155,6 @@ def parity(plain: list[dict], spec: list[dict], alpha: float = ALPHA, n_perm: in
     return {"parity_test": PARITY_TEST, "parity_p_value": p_value, "parity_n_pairs": int(len(diffs)),
             "parity_mean_diff": float(diffs.mean()), "reward_curves_match": bool(p_value >= alpha),
             "welch_p_per_step": welch, "welch_all_steps_match": bool(all(w >= alpha / len(welch) for w in welch))}
-
-
-def mean_excluding_first(values: list[float]) -> float:
-    return float(np.mean(values[1:] if len(values) > 1 else values))
 
 
 # ---------------------------------------------------------------- TRL peer
@@ -305,30 +290,15 @@ def print_table(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = harness.parser(__doc__, steps=3, out_dir=True)
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer run")
-    ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-rl-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
+    with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
         tlt = run_tlt(args.config, args.overrides, args.steps, out_dir)
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
         res = summarize(tlt, trl, args.steps)
-        res["command"] = " ".join(["python bench/rl_step.py", *(argv if argv is not None else sys.argv[1:])])
-    finally:
-        if args.out_dir is None:
-            shutil.rmtree(out_dir, ignore_errors=True)
     print_table(res)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "rl_step", args, argv)
 
 
 if __name__ == "__main__":
