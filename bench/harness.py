@@ -46,12 +46,14 @@ def load(name: str):
 
 
 # ---------------------------------------------------------------- command line
-def parser(doc: str, steps: int | None = None, out_dir: bool = False) -> argparse.ArgumentParser:
-    """CONFIG, --json, --set (repeatable); --steps when the suite runs RL steps; --out-dir when it
-    keeps run folders (default: a temporary folder, removed). Benchmarks run offline (HF_HUB_OFFLINE)."""
+def parser(doc: str, steps: int | None = None, out_dir: bool = False,
+           config: str | None = None) -> argparse.ArgumentParser:
+    """CONFIG (optional when `config` names a default), --json, --set (repeatable); --steps when the
+    suite runs RL steps; --out-dir when it keeps run folders (default: a temporary folder, removed).
+    Benchmarks run offline (HF_HUB_OFFLINE)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
-    ap.add_argument("config")
+    ap.add_argument("config", **({"nargs": "?", "default": config} if config else {}))
     ap.add_argument("--json", dest="json_out", help="write the result (with its provenance header) here")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
     if steps is not None:

@@ -131,7 +131,7 @@ def test_auto_resolves_per_hardware_with_a_reason(monkeypatch, supported, want):
 
 
 def test_default_is_fp32_everywhere():
-    """Until a parity run shows bf16-mixed learns as well on the default recipe (README: Mixed
+    """Until a parity run shows bf16-mixed learns as well on the default recipe (docs/concepts.md: Mixed
     precision), runs compute in fp32 unless they ask for bf16-mixed or auto."""
     cfg, _ = precision.resolve_run(RunConfig(), device="cpu")
     assert (cfg.trainer.precision, cfg.drafter.precision, cfg.rollout.dtype) == ("fp32", "fp32", "float32")

@@ -1,7 +1,7 @@
 """`tlt compare`: runs side by side, as a table and a grid of curves.
 
 Reads MLflow through `tlt.tracking` only. Every number is computed from the stepped metric
-histories with the project's metric names (README: What a run produces), so runs of any recipe compare; a metric a run never logged
+histories with the project's metric names (docs/tracking.md: What a run produces), so runs of any recipe compare; a metric a run never logged
 is NaN in the table and no line in the plot, never an error.
 """
 from __future__ import annotations

@@ -221,7 +221,7 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
-    """Run RL step `step`; returns its metrics (names as in README: What a run produces)."""
+    """Run RL step `step`; returns its metrics (names as in docs/tracking.md: What a run produces)."""
     cfg, timer = ctx.cfg, Timer()
     t0 = time.perf_counter()
     rows, batch = _rollout(ctx, step, timer)
