@@ -211,7 +211,8 @@ def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
             "num_generations": r.group_size, "max_completion_length": r.max_new_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "lr": rl.lr, "weight_decay": rl.weight_decay, "max_grad_norm": cfg.trainer.grad_clip,
             "epsilon": rl.clip_low, "epsilon_high": rl.clip_high, "beta": rl.kl_coef, "seed": rl.seed,
-            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}
+            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum,
+            "bf16": cfg.trainer.precision == "bf16-mixed"}  # TRL at tlt's precision: fp32 weights, bf16 autocast
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run([str(py), str(ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")], check=True, env=env)
