@@ -141,6 +141,14 @@ def best_of(arms: dict, reps: int, warmup: int = 0) -> dict:
     return best
 
 
+def sign_flip_p(diffs, n_perm: int = 20_000) -> float:
+    """Two-sided paired sign-flip permutation test of mean(diffs) = 0 (seed 0): the p-value."""
+    diffs = np.asarray(diffs, float)
+    obs = abs(diffs.mean())
+    null = np.abs((np.random.default_rng(0).choice([-1.0, 1.0], size=(n_perm, len(diffs))) * diffs).mean(axis=1))
+    return float((1 + np.sum(null >= obs - 1e-12)) / (n_perm + 1))
+
+
 def mean_excluding_first(values: list[float]) -> float:
     """Mean over steps 1..N-1 (step 0 pays one-off costs); the only value when N = 1."""
     return float(np.mean(values[1:] if len(values) > 1 else values))

@@ -15,19 +15,15 @@ differences of the two arms after the last step.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from precision import ARMS, arm_config, provenance  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import sign_flip_p  # noqa: E402
+from precision import ARMS, arm_config  # noqa: E402
 from rl_step import parity, step_record  # noqa: E402
 
 
@@ -36,34 +32,21 @@ def correct(pipe) -> list[float]:
 
 
 def one_seed(config: str, overrides: list[str], seed: int, steps: int, out_dir: Path) -> dict:
-    from tlt.pipeline import Pipeline
-
     extra = [*overrides, f"rl.seed={seed}", "rollout.drafter=ngram"]
-    pipes = {a: Pipeline(arm_config(config, extra, a, steps, out_dir / f"seed{seed}")) for a in ARMS}
     out = {a: {"records": []} for a in ARMS}
-    try:
+
+    def on_step(arm, step, s):
+        out[arm]["records"].append(step_record(s))
+        print(f"seed {seed} step {step} {arm}: {s.step_s:6.1f} s, reward {s.reward_mean:.3f}", flush=True)
+
+    with harness.pipelines({a: arm_config(config, extra, a, steps, out_dir / f"seed{seed}") for a in ARMS}) as pipes:
         for arm, p in pipes.items():
-            p.validate_data()
-            p.prepare()
             out[arm]["accuracy_before"] = p.evaluate(0).accuracy
-        for step in range(steps):
-            for arm in (list(ARMS) if step % 2 == 0 else list(ARMS)[::-1]):
-                s = pipes[arm].rl_step(step)
-                out[arm]["records"].append(step_record(s))
-                print(f"seed {seed} step {step} {arm}: {s.step_s:6.1f} s, reward {s.reward_mean:.3f}", flush=True)
+        harness.interleave(pipes, steps, on_step)
         for arm, p in pipes.items():
             out[arm]["accuracy_after"] = p.evaluate(steps).accuracy
             out[arm]["correct_after"] = correct(p)
-    finally:
-        for p in pipes.values():
-            p.close()
     return out
-
-
-def sign_flip_p(diffs: np.ndarray, n_perm: int = 20000) -> float:
-    obs = abs(diffs.mean())
-    null = np.abs((np.random.default_rng(0).choice([-1.0, 1.0], size=(n_perm, len(diffs))) * diffs).mean(axis=1))
-    return float((1 + np.sum(null >= obs - 1e-12)) / (n_perm + 1))
 
 
 def summarize(runs: dict[int, dict]) -> dict:
@@ -87,30 +70,18 @@ def summarize(runs: dict[int, dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
+    ap = harness.parser(__doc__, steps=8)
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--heldout", type=int, default=96, help="held-out prompts (data.heldout_size)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     overrides = [*args.overrides, f"data.heldout_size={args.heldout}"]
-    out_dir = Path(tempfile.mkdtemp(prefix="tlt-bench-parity-"))
-    try:
+    with harness.workdir(None, "tlt-bench-parity-") as out_dir:
         runs = {s: one_seed(args.config, overrides, s, args.steps, out_dir) for s in range(args.seeds)}
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    res = {**provenance(argv if argv is not None else sys.argv[1:]), "steps": args.steps, **summarize(runs)}
-    res["command"] = res["command"].replace("bench/precision.py", "bench/precision_parity.py")
+    res = {"steps": args.steps, **summarize(runs)}
     for k in ("reward_mean_fp32", "reward_mean_bf16", "parity_p_value", "accuracy_before_fp32", "accuracy_before_bf16",
               "accuracy_after_fp32", "accuracy_after_bf16", "accuracy_after_p_value"):
         print(f"{k:>24}: {res[k]:.3f}")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "precision_parity", args, argv)
 
 
 if __name__ == "__main__":

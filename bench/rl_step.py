@@ -147,10 +147,7 @@ def parity(plain: list[dict], spec: list[dict], alpha: float = ALPHA, n_perm: in
     """`PARITY_TEST` on two runs' step records (same prompts per step); match = p >= alpha."""
     diffs = np.concatenate([group_means(s["rewards"], s["group_index"]) - group_means(p["rewards"], p["group_index"])
                             for p, s in zip(plain, spec)])
-    obs = abs(diffs.mean())
-    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(n_perm, len(diffs)))
-    null = np.abs((signs * diffs).mean(axis=1))
-    p_value = float((1 + np.sum(null >= obs - 1e-12)) / (n_perm + 1))
+    p_value = harness.sign_flip_p(diffs, n_perm)
     welch = [welch_p(p["rewards"], s["rewards"]) for p, s in zip(plain, spec)]
     return {"parity_test": PARITY_TEST, "parity_p_value": p_value, "parity_n_pairs": int(len(diffs)),
             "parity_mean_diff": float(diffs.mean()), "reward_curves_match": bool(p_value >= alpha),
