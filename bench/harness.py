@@ -154,6 +154,15 @@ def mean_excluding_first(values: list[float]) -> float:
     return float(np.mean(values[1:] if len(values) > 1 else values))
 
 
+def print_table(rows: list[dict], columns: dict) -> None:
+    """`rows` as an aligned text table; columns: key -> (title, format spec), e.g. {"step_s": ("step s", ".1f")}."""
+    cells = [[title for title, _ in columns.values()]]
+    cells += [["–" if r.get(k) is None else format(r[k], f) for k, (_, f) in columns.items()] for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    for c in cells:
+        print(" ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
 # ---------------------------------------------------------------- provenance and results
 def machine() -> str:
     """CPU model and core count (and the GPU's name when there is one); no host names or paths."""

@@ -86,10 +86,10 @@ def print_table(res: dict, show: int = 0) -> None:
         print(f"--- [{s['reward']:.0f}] {s['tokens']} tok, gold {s['answer']}: {s['response']!r}")
     print(f"\n{res['config']}: {res['prompts']} prompts x {res['group']} samples, T={res['temperature']}, "
           f"top_p={res['top_p']}, cap {res['max_new_tokens']}, reward {res['reward']}, tasks {', '.join(res['tasks'])}")
-    print(f"{'p50':>6} {'p90':>6} {'max':>6} {'mean':>6} {'max/p50':>8} {'at cap':>7} {'accuracy':>9} {'groups var':>11}")
-    print(f"{res['response_length/p50']:>6.0f} {res['response_length/p90']:>6.0f} {res['response_length/max']:>6.0f} "
-          f"{res['response_length/mean']:>6.1f} {res['max_over_p50']:>8.2f} {res['at_cap_share']:>7.2f} "
-          f"{res['accuracy']:>9.3f} {res['groups_with_variance']:>11.2f}")
+    harness.print_table([res], {"response_length/p50": ("p50", ".0f"), "response_length/p90": ("p90", ".0f"),
+                                "response_length/max": ("max", ".0f"), "response_length/mean": ("mean", ".1f"),
+                                "max_over_p50": ("max/p50", ".2f"), "at_cap_share": ("at cap", ".2f"),
+                                "accuracy": ("accuracy", ".3f"), "groups_with_variance": ("groups var", ".2f")})
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -186,12 +186,10 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
 def print_table(result: dict) -> None:
     print(f"\ndrafter={result['drafter']} prompts={result['prompts']} greedy_identical={result['greedy_identical']} "
           f"threads={result['threads']}")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'SD tok/s':>10} {'HF tok/s':>10} {'SD/plain':>9} {'SD/HF':>7} "
-          f"{'plain/HF':>9} {'accept':>7}")
-    for r in result["rows"]:
-        print(f"{r['batch']:>5} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>10.1f} {r['hf_tok_s']:>10.1f} "
-              f"{r['speedup_vs_plain']:>9.2f} {r['speedup_vs_hf']:>7.2f} {r['plain_vs_hf']:>9.2f} "
-              f"{r['accept_len_mean']:>7.2f}")
+    harness.print_table(result["rows"], {
+        "batch": ("batch", "d"), "plain_tok_s": ("plain tok/s", ".1f"), "spec_tok_s": ("SD tok/s", ".1f"),
+        "hf_tok_s": ("HF tok/s", ".1f"), "speedup_vs_plain": ("SD/plain", ".2f"), "speedup_vs_hf": ("SD/HF", ".2f"),
+        "plain_vs_hf": ("plain/HF", ".2f"), "accept_len_mean": ("accept", ".2f")})
     if "grpo" in result:
         g = result["grpo"]
         print(f"GRPO batch: plain {g['plain_s']:.2f}s, SD {g['spec_s']:.2f}s (x{g['speedup']:.2f}), "

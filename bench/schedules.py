@@ -79,12 +79,11 @@ def summarize(recs: dict, steps: int, drafter_steps: int) -> dict:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{'schedule':>10} {'step s':>7} {'rollout s':>9} {'policy s':>8} {'drafter s':>9} {'steps/RL':>8} "
-          f"{'drafter %':>9} {'rollout x':>9} {'step x':>7}")
-    for a, r in res["arms"].items():
-        print(f"{a:>10} {r['step_s']:>7.1f} {r['rollout_s']:>9.1f} {r['update_policy_s']:>8.1f} {r['drafter_s']:>9.2f} "
-              f"{r['drafter_steps']:>8.1f} {100 * r['drafter_share_of_step']:>8.1f}% {r['rollout_slowdown_vs_none']:>9.2f} "
-              f"{r['step_slowdown_vs_none']:>7.2f}")
+    harness.print_table([{"arm": a, **r} for a, r in res["arms"].items()], {
+        "arm": ("schedule", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
+        "update_policy_s": ("policy s", ".1f"), "drafter_s": ("drafter s", ".2f"), "drafter_steps": ("steps/RL", ".1f"),
+        "drafter_share_of_step": ("drafter share", ".1%"), "rollout_slowdown_vs_none": ("rollout x", ".2f"),
+        "step_slowdown_vs_none": ("step x", ".2f")})
 
 
 def main(argv: list[str] | None = None) -> dict:
