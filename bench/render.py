@@ -7,7 +7,7 @@ Every number printed comes from a JSON file in bench/results/ and links to it; e
 provenance header (command line, commit, machine, date, config hash; written by
 bench/harness.py) is listed next to the tables. Blocks are delimited by
 `<!-- results:NAME:start -->` / `<!-- results:NAME:end -->` in docs/performance.md (NAME = index,
-precision) and README.md (NAME = status). tests/test_results.py runs the check.
+precision, parity) and README.md (NAME = status). tests/test_results.py runs the check.
 """
 from __future__ import annotations
 
@@ -85,6 +85,22 @@ def precision_block(results: dict, prefix: str) -> str:
     return "\n".join(rows) + f"\n\nMeans over steps 1..N-1 ({steps}); machines and commands in the index above."
 
 
+def parity_block(results: dict, prefix: str) -> str:
+    """bench/precision_parity.py: does bf16-mixed learn as fp32 does, over several seeds."""
+    runs = {n: r for n, r in results.items() if suite(r) == "precision_parity"}
+    if not runs:
+        return f"Learning parity of bf16-mixed over several seeds: {NOT_MEASURED}."
+    rows = ["| recipe | seeds × steps | reward mean fp32 / bf16 | reward curves (paired test) | held-out accuracy "
+            "before → after, fp32 / bf16 | accuracy after (paired test) |", "|---|---|---|---|---|---|"]
+    for n, r in runs.items():
+        rows.append(f"| [`{recipe(r)}`]({prefix}/{n}.json) | {len(r['seeds'])} × {r['steps']} | "
+                    f"{r['reward_mean_fp32']:.3f} / {r['reward_mean_bf16']:.3f} | p = {r['parity_p_value']:.3f} | "
+                    f"{r['accuracy_before_fp32']:.2f} → {r['accuracy_after_fp32']:.2f} / "
+                    f"{r['accuracy_before_bf16']:.2f} → {r['accuracy_after_bf16']:.2f} | "
+                    f"p = {r['accuracy_after_p_value']:.3f} |")
+    return "\n".join(rows)
+
+
 def status_block(results: dict, prefix: str) -> str:
     """The README's status at a glance: what pays where, on which hardware, with links to the files."""
     rows = ["| question | answer | recipe | hardware | source |", "|---|---|---|---|---|"]
@@ -103,7 +119,7 @@ def status_block(results: dict, prefix: str) -> str:
     return "\n".join(rows)
 
 
-BLOCKS = {"index": index_block, "precision": precision_block, "status": status_block}
+BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "status": status_block}
 
 
 # ---------------------------------------------------------------- pages

@@ -51,3 +51,17 @@ def test_config_hash_follows_the_resolved_config():
     h = harness.config_hash(smoke, [])
     assert h == harness.config_hash(smoke, []) and h != harness.config_hash(smoke, ["rl.steps=7"])
     assert harness.config_hash(smoke, ["rl.steps=7"]) == harness.config_hash(smoke, ["rl.steps=7"])
+
+
+def test_parity_block_renders_what_precision_parity_writes():
+    """The keys bench/precision_parity.py's summarize writes are the keys the parity table reads."""
+    import numpy as np
+
+    parity_bench = load_bench("precision_parity")
+    records = [{"rewards": [1.0, 0.0, 1.0, 1.0], "group_index": [0, 0, 1, 1], "reward_mean": 0.75}]
+    arm = {"records": records, "accuracy_before": 0.25, "accuracy_after": 0.5, "correct_after": [1.0, 0.0]}
+    res = {"command": "python bench/precision_parity.py conf/smoke.yaml", "steps": 1,
+           **parity_bench.summarize({0: {"fp32": arm, "bf16": arm}})}
+    table = render.parity_block({"parity_smoke": res}, "results")
+    assert "(results/parity_smoke.json)" in table and "0.25 → 0.50 / 0.25 → 0.50" in table
+    assert np.isclose(res["parity_p_value"], 1.0) and "p = 1.000" in table
