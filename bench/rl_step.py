@@ -262,18 +262,17 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
 
 def print_table(res: dict) -> None:
     c = res["curves"]
-    print(f"\n{'run':>8} {'step s':>8} {'rollout s':>10} {'policy s':>9} {'drafter s':>10} {'accept':>7} "
-          f"{'eval acc':>9}  reward/mean per step")
-    for m in ("plain", "adaptive", "frozen"):
-        mean = lambda k: mean_excluding_first(c[m][k])  # noqa: E731
-        acc = res["eval"][m].get("accept_len") or 0.0
-        print(f"{m:>8} {mean('step_s'):>8.1f} {mean('rollout_s'):>10.1f} {mean('update_policy_s'):>9.1f} "
-              f"{mean('update_drafter_s'):>10.2f} {acc:>7.2f} {res['eval'][m]['accuracy']:>9.3f}  "
-              + " ".join(f"{r:.3f}" for r in c[m]["reward_mean"]))
+    rows = [{"run": m, **{k: mean_excluding_first(c[m][k]) for k in ("step_s", "rollout_s", "update_policy_s",
+                                                                       "update_drafter_s")},
+             "accept": res["eval"][m].get("accept_len"), "acc": res["eval"][m]["accuracy"],
+             "rewards": " ".join(f"{r:.3f}" for r in c[m]["reward_mean"])} for m in ("plain", "adaptive", "frozen")]
     if res["trl"]:
-        t = res["trl"]
-        print(f"{'trl':>8} {t['step_s']:>8.1f} {'':>10} {'':>9} {'':>10} {'':>7} {'':>9}  "
-              + " ".join(f"{r:.3f}" for r in t["reward_mean"]))
+        rows.append({"run": "trl", "step_s": res["trl"]["step_s"],
+                     "rewards": " ".join(f"{r:.3f}" for r in res["trl"]["reward_mean"])})
+    harness.print_table(rows, {"run": ("run", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
+                               "update_policy_s": ("policy s", ".1f"), "update_drafter_s": ("drafter s", ".2f"),
+                               "accept": ("accept", ".2f"), "acc": ("eval acc", ".3f"),
+                               "rewards": ("reward/mean per step", "s")})
     trl = f", vs TRL x{res['speedup_vs_trl']:.2f}" if res["trl"] else ""
     print(f"\nmeans over steps 1..N-1 ({res['excluded_from_means']} excluded); speedup adaptive vs plain "
           f"x{res['speedup_vs_plain']:.2f}, frozen vs plain x{res['speedup_frozen_vs_plain']:.2f}{trl}")
