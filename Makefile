@@ -38,9 +38,9 @@ test-fast: venv
 test-slow: venv
 	$(BIN)/python -m pytest -q -m "slow and not vllm and not browser and not ray and not gpu" tests
 
-# CUDA tests; each skips on a machine without a CUDA device.
+# CUDA tests; each skips on a machine without a CUDA device (pytest's exit 5, no gpu test collected, is not a failure).
 test-gpu: venv
-	$(BIN)/python -m pytest -q -m gpu tests
+	$(BIN)/python -m pytest -q -m gpu tests || test $$? -eq 5
 
 # Scale-out on Ray: installs the `ray` extra into .venv, then the tests that start local Ray instances.
 test-ray: venv
