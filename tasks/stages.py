@@ -14,15 +14,28 @@ from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
 from tlt.errors import UserError, exception_chain
+from tlt.inputs import check_run_inputs
 from tlt.export_run import export_checkpoint as export, resolve_checkpoint
 from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
 
 
-@task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def _retry_unless_user_error(task, task_run, state) -> bool:
+    """Retry an outage, never a bad input (it would fail the same way again)."""
+    try:
+        state.result()
+    except Exception as exc:  # noqa: BLE001 - the failed state's exception
+        return not any(isinstance(e, UserError) for e in exception_chain(exc))
+    return True
+
+
+@task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_retry_unless_user_error)
 def start_run(config: RunConfig, resume_run_id: str | None = None, retrain: bool = False) -> str:
-    """Open the MLflow run (a retried flow run, or --resume, continues its own run)."""
+    """Check every input (ids, paths, names: tlt.inputs), then open the MLflow run (a retried flow
+    run, or --resume, continues its own run)."""
+    resume_run_id = check_run_inputs(config, resume_run_id)
     fr = str(flow_run.id or "")
     resume_run_id = resume_run_id or find_run("prefect.flow_run_id", fr, config.tracking.experiment,
                                               config.tracking.tracking_uri)

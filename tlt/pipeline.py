@@ -25,7 +25,7 @@ from tlt.evaluate import evaluate as evaluate_heldout
 from tlt.export import export_eagle3
 from tlt.models import eos_token_ids, load_target, load_tokenizer
 from tlt.precision import resolve_run
-from tlt.preflight import check_export_dir, check_reward_fn
+from tlt.preflight import check_reward_fn
 from tlt.report import RunRecord, log_report
 from tlt.rl.resume import checkpoint_metrics, restore_run_state, save_run_state
 from tlt.rl.rewards import get_reward_fn
@@ -120,7 +120,6 @@ class Pipeline:
         ds.train.to_parquet(train_path)
         ds.heldout.to_parquet(heldout_path)
         check_reward_fn(self.cfg, ds.train.head(4))
-        check_export_dir(self.cfg)
         n_dropped = len(ds.dropped) if ds.dropped is not None else 0
         for frame, name, path, context in ((ds.train, "train-prompts", train_path, "train"),
                                            (ds.heldout, "heldout-prompts", heldout_path, "eval")):
