@@ -31,7 +31,7 @@ from cli_runs import ROOT, TLT, cli_env, prefect_api_url, run_tlt
 
 STEPS = 3
 ARGS = ["run", "conf/smoke.yaml", "--set", f"rl.steps={STEPS}", "--set", "rollout.tuner=false",
-        "--set", "drafter.spot=false", "--set", "eval.every=2", "--set", "tracking.samples_every=0",
+        "--set", "drafter.where=sequential", "--set", "eval.every=2", "--set", "tracking.samples_every=0",
         "--set", "export.enabled=false"]
 
 

@@ -265,7 +265,7 @@ class Pipeline:
     def _make_refresher(self, trainer):
         """Spot trainer (drafter training in the rollout's tail) or sequential refresher."""
         d = self.cfg.drafter
-        if not d.spot:
+        if d.where == "sequential" or d.schedule == "frozen":  # frozen: no process, never trains
             return DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
         spot = SpotTrainer(self.model, self.drafter, d, threads=d.spot_threads, seed=self.cfg.rl.seed,
                            checkpoint_dir=self.run_dir / "drafter_checkpoints")
@@ -289,8 +289,7 @@ class Pipeline:
                                    updater=updater,
                                    sampler=PromptSampler(self.dataset.train, seed=self.cfg.data.seed),
                                    reward_fn=get_reward_fn(self.cfg.rl.reward), encode=self.prompt_ids,
-                                   refresher=self.refresher if self.cfg.drafter.refresh_every or
-                                   self.cfg.drafter.refresh_below_accept_len else None)
+                                   refresher=self.refresher if self.cfg.drafter.schedule != "frozen" else None)
         return self.ctx
 
     def _rollout_engine(self):
