@@ -50,6 +50,8 @@ def test_bad_reward_function(prefect_api, tmp_path, reward_module, fn, words):
     ("", ["rollout.top_p=1.5"], ["rollout.top_p", "1.5"]),
     ("", ["drafter.buffer_steps=0"], ["drafter.buffer_steps"]),
     ("model: [1, 2]\n", [], ["model"]),
+    ("", ["cluster.address=localhost"], ["cluster.address", "localhost", "ray://HOST:PORT"]),
+    ("", ["drafter.spot=false"], ["drafter.spot", "drafter.where: sequential"]),
 ])
 def test_bad_config(tmp_path, yaml_text, sets, words):
     cfg = tmp_path / "bad.yaml"

@@ -6,6 +6,7 @@ YAML recipe or a `--set` override fails with the dotted key and the nearest vali
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -275,6 +276,14 @@ class ClusterConfig(Stage):
                               "restarted actor with the current policy version")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy of the run's bundles")
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str) -> str:
+        if address in ("", "auto") or re.fullmatch(r"(ray://)?[\w.-]+:\d{1,5}", address):
+            return address
+        raise ValueError(f"'{address}' is not a Ray address; use '' (a local Ray started for the run), 'auto', "
+                         "'ray://HOST:PORT' (Ray client) or 'HOST:PORT' (the GCS of a cluster)")
 
 
 class EvalConfig(Stage):
