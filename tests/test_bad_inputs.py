@@ -141,3 +141,20 @@ def test_wrong_id_or_path_refused_before_anything_starts(tmp_path, case):
     assert _runs_in_store(tmp_path) == 0
     assert not (tmp_path / "runs").exists()
     assert not (tmp_path / "prefect").exists()  # no Prefect server or client started
+
+
+def test_resume_with_other_settings_refused_before_anything_starts(tmp_path):
+    """A run resumed with a changed config: exit 2 naming the key, both values and the run's own
+    config.yaml; the store keeps its one run, unchanged."""
+    from tlt.config import TrackingConfig, flatten, load_config
+    from tlt.precision import resolve_run
+    from tlt.tracking import make_tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = make_tracker(TrackingConfig(tracking_uri=uri, system_metrics=False), run_name="smoke")
+    tracker.log_params(flatten(resolve_run(load_config(ROOT / "conf" / "smoke.yaml"))[0]))
+    tracker.end()
+    args = [*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--resume", tracker.run_id[:8]]
+    proc = run_tlt([*args, "--set", "rl.steps=9"], cli_env(tmp_path), timeout=120)
+    _refused(proc, tracker.run_id, "rl.steps: 2 -> 9", "config.yaml", "without --resume")
+    assert _runs_in_store(tmp_path) == 1 and not (tmp_path / "runs").exists()

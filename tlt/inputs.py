@@ -178,4 +178,23 @@ def check_run_inputs(cfg, resume: str | None = None) -> str | None:
         from tlt.rollout.vllm_backend import vllm_python  # deferred: torch
 
         vllm_python()
-    return resolve_run_id(resume, cfg.tracking.tracking_uri, "--resume") if resume else None
+    if not resume:
+        return None
+    run_id = resolve_run_id(resume, cfg.tracking.tracking_uri, "--resume")
+    check_resume_config(cfg, run_id)
+    return run_id
+
+
+def check_resume_config(cfg, run_id: str) -> None:
+    """A resumed run continues with the settings it started with: MLflow keeps one value per param,
+    and the checkpoint holds state shaped by them."""
+    from tlt.config import flatten
+    from tlt.precision import resolve_run  # deferred: torch ('auto' precisions are logged resolved)
+
+    logged = tracking.read_run(run_id, cfg.tracking.tracking_uri)["params"]
+    mine = flatten(resolve_run(cfg)[0])
+    changed = [f"{k}: {logged[k]} -> {v}" for k, v in mine.items() if k in logged and logged[k] != v[:6000]]
+    if changed:
+        raise UserError(f"--resume {run_id}: the run started with other settings ({'; '.join(changed[:5])}"
+                        f"{'; ...' if len(changed) > 5 else ''}). Resume with the config it started with (saved as "
+                        f"{cfg.trainer.checkpoint_dir}/{run_id}/config.yaml), or start a new run without --resume.")
