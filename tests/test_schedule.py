@@ -61,6 +61,7 @@ def test_refresh_cost():
     assert refresh_cost_s("sequential", None, 8, tail_s=10.0, threads=1, cpus=2) == 0.0  # not measured yet
     assert refresh_cost_s("spot", None, 8, tail_s=10.0, threads=1, cpus=2) == 5.0  # one of two cores for the tail
     assert refresh_cost_s("spot", None, 8, tail_s=10.0, threads=1, cpus=16) < 1.0
+    assert refresh_cost_s("spot", None, 8, tail_s=10.0, threads=1, cpus=0) == 0.0  # decoding on an accelerator
 
 
 def test_payoff_schedule_follows_the_drift():

@@ -56,10 +56,11 @@ def refresh_cost_s(where: str, drafter_step_s: float | None, refresh_steps: int,
                    threads: int, cpus: int) -> float:
     """Seconds one refresh costs the run. Sequential: its drafter steps, each at the measured step
     time (0 before the first refresh has measured it). Spot: the trainer runs for the whole tail on
-    `threads` of the machine's `cpus` cores, which decoding then lacks (CPU rollouts)."""
+    `threads` of the `cpus` cores decoding runs on, which decoding then lacks (cpus 0: decoding
+    runs on an accelerator, the spot trainer on cores it does not use: free)."""
     if where == "sequential":
         return refresh_steps * (drafter_step_s or 0.0)
-    return tail_s * min(1.0, threads / max(1, cpus))
+    return tail_s * min(1.0, threads / cpus) if cpus > 0 else 0.0
 
 
 def payoff_s(m: PayoffInputs) -> float:
@@ -81,6 +82,7 @@ class RefreshSchedule:
     """Decides per RL step whether the drafter trains (`due`) from what it was shown (`observe`)."""
 
     def __init__(self, cfg, cpus: int = 1):
+        """cpus: the cores decoding runs on (0: it runs on an accelerator), for the spot trainer's cost."""
         self.cfg, self.cpus = cfg, cpus
         self.seen = _Observed()
         self.last_payoff: float | None = None

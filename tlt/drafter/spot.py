@@ -153,7 +153,8 @@ class SpotTrainer:
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
         self.total_steps, self._running, self._t_tail = 0, False, 0.0
-        self.schedule = RefreshSchedule(cfg, cpus=os.cpu_count() or 1)
+        on_cpu = next(drafter.parameters()).device.type == "cpu"  # decoding shares the cores the worker takes
+        self.schedule = RefreshSchedule(cfg, cpus=(os.cpu_count() or 1) if on_cpu else 0)
         self.weights_step = 0  # drafter optimizer steps behind self.drafter's weights
         self._optim: dict | None = None  # the optimizer state last loaded into the worker
         self.preemptions = self.corrupt_checkpoints = 0
