@@ -23,11 +23,8 @@ from tlt.tracking import find_run, make_tracker
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
     """Retry an outage, never a bad input (it would fail the same way again)."""
-    try:
-        state.result()
-    except Exception as exc:  # noqa: BLE001 - the failed state's exception
-        return not any(isinstance(e, UserError) for e in exception_chain(exc))
-    return True
+    exc = state.result(raise_on_failure=False)
+    return not (isinstance(exc, BaseException) and any(isinstance(e, UserError) for e in exception_chain(exc)))
 
 
 @task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
@@ -134,7 +131,7 @@ def abort_run(run_id: str, exc: BaseException | None = None) -> None:
     resumes from the last checkpoint)."""
     close_pipeline(run_id, "FAILED")
     if _final(exc):
-        _cancel_retries()
+        cancel_retries()
 
 
 def _final(exc: BaseException | None) -> bool:
@@ -143,7 +140,8 @@ def _final(exc: BaseException | None) -> bool:
     return any(isinstance(e, UserError) or not isinstance(e, Exception) for e in exception_chain(exc))
 
 
-def _cancel_retries() -> None:
+def cancel_retries() -> None:
+    """No further attempt of this flow run (it would fail the same way)."""
     if flow_run.id is None:
         return
     try:
