@@ -6,7 +6,7 @@
 One Pipeline run (SD off in its rollouts: SD is lossless, so the policy does not depend on the
 drafter) with a raised `rl.lr` so the policy really drifts. Its own refresher is the *adaptive*
 arm: `drafter.refresh_steps` sequential drafter steps on the online buffer after every policy
-update (`drafter.spot: false`, a fixed step count, not wall-clock dependent). From the same
+update (`drafter.where: sequential`, a fixed step count, not wall-clock dependent). From the same
 warm-started drafter: *frozen* (never trained again) and *control* (the same refresher code and
 step count on the warm-start corpus: more training without fresh data). Optionally, on the final
 policy only, *oracle*: the adaptive drafter plus `--oracle-steps` steps on that policy's own rollouts
@@ -49,7 +49,7 @@ def bench_config(config: str | None, overrides: list[str], steps: int, drafter_s
     from tlt.config import load_config
 
     base = harness.run_overrides(out_dir) + [
-        "rollout.spec=false", "drafter.spot=false", "drafter.refresh_every=1",
+        "rollout.spec=false", "drafter.where=sequential", "drafter.schedule=every_k", "drafter.refresh_every=1",
         f"drafter.refresh_steps={drafter_steps}", f"rl.steps={steps}", f"data.heldout_size={eval_prompts}"]
     if rl_lr is not None:
         base.append(f"rl.lr={rl_lr}")

@@ -34,10 +34,10 @@ import harness  # noqa: E402
 from harness import mean_excluding_first  # noqa: E402
 
 ROOT = harness.ROOT
-MODES = {  # overrides per run; the spot trainer needs refresh_every > 0 to be wired into the step
-    "plain": ["rollout.spec=false", "drafter.refresh_every=0", "drafter.spot=false"],
-    "adaptive": ["rollout.spec=true", "drafter.spot=true", "drafter.refresh_every=1"],
-    "frozen": ["rollout.spec=true", "drafter.spot=false", "drafter.refresh_every=0"],
+MODES = {  # overrides per run; "adaptive" keeps the recipe's schedule, trained by the spot trainer
+    "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
+    "adaptive": ["rollout.spec=true", "drafter.where=spot"],
+    "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
 }
 ALPHA = 0.01
 N_PERM = 20_000

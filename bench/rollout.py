@@ -196,6 +196,17 @@ def print_table(result: dict) -> None:
               f"accept {g['accept_len_mean']:.2f}, tail share {g['tail_share']:.2f}")
 
 
+def check_inputs(cfg, drafter_dir: str | None) -> None:
+    """The config's paths and the drafter folder, before any model loads (exit 2 from `tlt bench`)."""
+    from tlt.errors import UserError
+    from tlt.inputs import check_run_inputs
+
+    if drafter_dir is not None and not (Path(drafter_dir) / "config.json").is_file():
+        raise UserError(f"--drafter '{drafter_dir}' is not an EAGLE-3 export (no config.json there); pass the folder "
+                        "`tlt export --out` or `tlt drafter warmstart --export` wrote")
+    check_run_inputs(cfg)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__)
     ap.add_argument("--drafter", default=None, help="EAGLE-3 export directory (default: n-gram drafter)")
@@ -214,6 +225,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg, args.drafter)
     result = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
                        args.reps, grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts,
                        tuner=args.tuner)

@@ -4,10 +4,10 @@
 
 Arms, one Pipeline each, interleaved step by step (rotating who goes first), same seed, prompts
 and warm-started drafter (a cache hit after the first), SD on in the rollout tail as configured:
-  none        no drafter training (`drafter.refresh_every: 0`): the rollout and step without it
-  spot        the spot trainer process trains during the rollout's tail (`drafter.spot: true`)
+  none        no drafter training (`drafter.schedule: frozen`): the rollout and step without it
+  spot        the spot trainer process trains during the rollout's tail (`drafter.where: spot`)
   sequential  a fixed budget of `--drafter-steps` drafter steps after the policy update
-              (`drafter.spot: false`, `drafter.refresh_steps`)
+              (`drafter.where: sequential`, `drafter.refresh_steps`)
 Per arm (means over steps 1..N-1, step 0 excluded: the buffer is empty there): drafter steps per
 RL step, drafter seconds inside the step, rollout and step seconds, and the rollout's slowdown
 against `none` (the spot trainer competes with decoding for the same 2 cores).
@@ -22,9 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-ARMS = {"none": ["drafter.refresh_every=0", "drafter.spot=false"],
-        "spot": ["drafter.spot=true", "drafter.refresh_every=1"],
-        "sequential": ["drafter.spot=false", "drafter.refresh_every=1"]}
+ARMS = {"none": ["drafter.schedule=frozen"],
+        "spot": ["drafter.where=spot"],
+        "sequential": ["drafter.where=sequential"]}
 
 
 def arm_config(config, overrides, arm: str, steps: int, drafter_steps: int, out_dir: Path):
