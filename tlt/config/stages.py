@@ -252,7 +252,7 @@ class TrainerConfig(Stage):
                                   "false = rollout order")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
     precision: Literal["auto", "fp32", "bf16-mixed"] = Field(
-        "fp32", description="Policy update: fp32, or bf16-mixed (fp32 master weights and optimizer state, bf16 "
+        "auto", description="Policy update: fp32, or bf16-mixed (fp32 master weights and optimizer state, bf16 "
         "autocast forward/backward, loss in fp32); auto = bf16-mixed where the device has bf16 units (CUDA, or a "
         "CPU with avx512_bf16/amx_bf16), else fp32")
     allow_low_precision_update: bool = Field(False, description="Let a bfloat16/float16 model.dtype be updated in "
