@@ -41,7 +41,11 @@ class RolloutEngine:
         self.copy = RolloutCopy.of(model, cfg.dtype)  # None: decode with the policy module itself
         self.model = model if self.copy is None else self.copy.module
         self.eos_ids = list(eos_ids)
-        self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
+        self.drafter_master = drafter if (drafter is not None and cfg.drafter == "eagle") else None
+        # Drafting in the rollout dtype too: a frozen copy rounded from the drafter's fp32 master weights
+        # (trained by the refresher or the spot trainer), refreshed at each rollout like the policy copy.
+        self.drafter_copy = None if self.drafter_master is None else RolloutCopy.of(self.drafter_master, cfg.dtype)
+        self.drafter = self.drafter_master if self.drafter_copy is None else self.drafter_copy.module
         self.ngram = NgramDrafter()
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
@@ -92,6 +96,8 @@ class RolloutEngine:
         cfg = self.cfg
         if self.copy is not None:
             self.copy.refresh(self.master)
+        if self.drafter_copy is not None:
+            self.drafter_copy.refresh(self.drafter_master)
         opts = dict(max_new=max_new_tokens or cfg.max_new_tokens,
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
