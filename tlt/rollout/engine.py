@@ -19,11 +19,12 @@ import torch
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
 from tlt.rollout.calibrate import Calibrator
+from tlt.rollout.guard import SpecGuard, StepLog
 from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
 from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
-from tlt.rollout.weights import RolloutCopy
+from tlt.rollout.weights import RolloutCopy, fingerprint
 
 
 class RolloutEngine:
@@ -45,6 +46,8 @@ class RolloutEngine:
         self.ngram = NgramDrafter()
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
+        self.guard = SpecGuard.from_config(cfg)  # per-tier SD switch-off below break-even (tlt.rollout.guard)
+        self._drafter_seen = fingerprint(self.drafter) if self.drafter is not None else None
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -92,6 +95,7 @@ class RolloutEngine:
         cfg = self.cfg
         if self.copy is not None:
             self.copy.refresh(self.master)
+        self._rearm_on_new_drafter()
         opts = dict(max_new=max_new_tokens or cfg.max_new_tokens,
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
@@ -110,6 +114,8 @@ class RolloutEngine:
         self._retire(st, outs)
         self._decode(st, opts, gen, outs, use_spec, threshold, on_tail)
         outs.stats.time_s = time.perf_counter() - t0
+        if self.guard is not None and use_spec:
+            outs.stats.guard_tripped = self.guard.observe(outs.steps)
         outs.stats.target_forwards = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
         for p, r in zip(batch.prompt_ids, batch.response_ids):
@@ -117,6 +123,15 @@ class RolloutEngine:
         if outs.capture is not None:
             batch.features = outs.capture.sequences(prompts, group_size, batch.response_ids)
         return batch
+
+    def _rearm_on_new_drafter(self) -> None:
+        """New drafter weights (a refresh, a spot-trainer load, a checkpoint) re-arm the spec guard."""
+        if self.drafter is None or self.guard is None:
+            return
+        seen = fingerprint(self.drafter)
+        if seen != self._drafter_seen:
+            self._drafter_seen = seen
+            self.guard.rearm()
 
     def sync(self, model=None) -> dict[str, float]:
         """Nothing to send when this engine decodes with the policy module itself (see tlt.rl.step);
@@ -138,10 +153,11 @@ class RolloutEngine:
                 if on_tail is not None:
                     on_tail(n_run)
             t_step = time.perf_counter()
-            if use_spec and below > self.cfg.spec_patience:
+            if use_spec and below > self.cfg.spec_patience and (self.guard is None or self.guard.allows(n_run)):
                 self._spec_step(st, opts, gen, outs)
             else:
                 self._plain_step(st, opts, gen, outs)
+                outs.steps.plain(time.perf_counter() - t_step)
             if n_run <= threshold:
                 outs.stats.tail_time_s += time.perf_counter() - t_step
             self._retire(st, outs)
@@ -210,6 +226,10 @@ class RolloutEngine:
         else:
             produced = spec_round(self, st, strategy, opts, gen, outs)
         dt = time.perf_counter() - t0
+        if strategy.plain:
+            outs.steps.plain(dt)
+        elif self.guard is not None:
+            outs.steps.spec(self.guard.tier_of(bsz), dt, bsz, produced)
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
             outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
@@ -272,7 +292,7 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     """Accept length with the tuner OFF and one fixed, named strategy (default: a depth-4 chain).
 
     Every round of every prompt is a speculative round of `strategy` (threshold >= batch, no
-    patience, no confidence pruning), so the number depends on the drafter and the prompts only,
+    patience, no confidence pruning, no spec guard), so the number depends on the drafter and the prompts only,
     not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
     per-row accept length does not depend on the batch); the engine's config, tuner and prompt
     history are restored afterwards (an n-gram strategy sees no earlier answers of the prompts).
@@ -289,6 +309,9 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
                                             "strategy": strategy, "draft_min_prob": 0.0,
                                             "draft_stop_below": 0.0})
     engine.tuner = None
+    old_guard = getattr(engine, "guard", None)  # the fixed chain on every round: no guard either
+    if old_guard is not None:
+        engine.guard = None
     tokens = passes = 0
     responses: list[list[int]] = []
     try:
@@ -300,6 +323,8 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
             responses += [list(r) for r in out.response_ids]
     finally:
         engine.cfg, engine.tuner = old_cfg, old_tuner
+        if old_guard is not None:
+            engine.guard = old_guard
         if old_history is not None:
             engine.history = old_history
     return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)
