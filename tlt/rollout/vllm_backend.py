@@ -38,7 +38,6 @@ the call's threshold, so the spot trainer works with this backend.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -52,11 +51,14 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tlt.errors import UserError
 from tlt.export import export_eagle3
+from tlt.rollout.guard import check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
+from tlt.rollout.weights import digest, fingerprint  # noqa: F401 - fingerprint: also imported from here
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -82,34 +84,6 @@ def vllm_python(python: str | Path | None = None) -> Path:
         f"rollout.backend is 'vllm' but there is no vLLM interpreter at {candidates[0]}. Build the vLLM "
         f"venv with `bash bench/vllm_venv.sh` (~3 min, 3.5 GB), point {PYTHON_ENV} at a python that has "
         "vllm installed, or set rollout.backend=torch.")
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_sum(t: torch.Tensor) -> int:
-    """Sum of the tensor's raw bit patterns (as integers): any write that changes a value changes it
-    (no float rounding can absorb a tiny update), one pass over the data on its own device."""
-    flat = t.detach().contiguous().reshape(-1)
-    return int(flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64))
-
-
-def fingerprint(module) -> tuple:
-    """(name, identity, bit sum) of every parameter and buffer: changes when any of them is written
-    or replaced. The content, not torch's version counter: DeepSpeed ZeRO-1/2 write the updated
-    weights through their flat buffers, which leaves the parameters' version counters unchanged
-    (measured: a ZeRO-2 step changed every tensor and no counter)."""
-    return tuple((k, id(t), bits_sum(t)) for k, t in module.state_dict(keep_vars=True).items())
-
-
-def digest(module) -> str:
-    """Hash of every parameter and buffer's bytes (for the small drafter: a load of the same weights
-    bumps version counters, which must not cost an engine rebuild)."""
-    h = hashlib.blake2b(digest_size=16)
-    for k, t in module.state_dict().items():
-        h.update(k.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _config(export_dir: Path | None) -> dict | None:
@@ -196,6 +170,8 @@ class VllmRolloutEngine:
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
         self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
+        self.dtype, self._probe = dtype, None
+        self.probe_metrics = self._check_drafter()
         self._sent = self._state()
         self._drafter_digest = digest(self.drafter) if self.method == "eagle3" else None
 
@@ -257,6 +233,7 @@ class VllmRolloutEngine:
         else:
             reply = self._rpc("drafter", drafter_dir=str(new_drafter), rebuild=rebuild)
         self._drafter_dir = new_drafter or self._drafter_dir
+        self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
         self._sent, self._drafter_digest = now, new_digest
         self.rebuilds += reply["mode"] == "rebuild"
         for path in old:
@@ -264,6 +241,20 @@ class VllmRolloutEngine:
                 shutil.rmtree(path, ignore_errors=True)
         return {"rollout/vllm_sync_s": time.perf_counter() - t0, "rollout/vllm_reload_s": reply["time_s"],
                 "rollout/vllm_rebuilds": float(self.rebuilds)}
+
+    def _check_drafter(self) -> dict[str, float]:
+        """The engine's drafter gives the exported drafter's logits on the guard's probe, or
+        `tlt.rollout.guard.DrafterMismatch` (after every load: engine start, reloads, policy syncs,
+        which change the embedding vLLM's drafter shares)."""
+        if self.method != "eagle3":
+            return {}
+        path, out = self.work / "probe.safetensors", self.work / "probe-logits.safetensors"
+        if self._probe is None:
+            self._probe = probe_inputs(self.drafter)
+            save_file(self._probe, str(path))
+        self._rpc("probe", probe=str(path), out=str(out))
+        return check_probe(probe_logits(self.drafter, self._probe), load_file(str(out))["logits"], self.dtype,
+                           "vLLM drafter")
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,

@@ -16,6 +16,7 @@ Requests:
             -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, trace}
   reload    {weights_dir, drafter_dir | null, rebuild}: new policy weights in place (+ a drafter)
   drafter   {drafter_dir, rebuild}: a new EAGLE-3 export, in place unless `rebuild`
+  probe     {probe, out}: the live drafter's logits on the probe file (tlt.rollout.guard), into `out`
   exit
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, see `main`); the in-place reloads
@@ -267,6 +268,10 @@ class Worker:
             return {"mode": "rebuild", "time_s": self.build()}
         return {"mode": "in_place", "time_s": self._rpc("tlt_reload_drafter", self.drafter_dir)["time_s"]}
 
+    def probe(self, req: dict) -> dict:
+        """The live drafter's logits on tlt's probe (vllm_ext.tlt_probe_drafter), written to `out`."""
+        return self._rpc("tlt_probe_drafter", req["probe"], req["out"])
+
     def _rpc(self, method: str, *args) -> dict:
         return self.llm.collective_rpc(method, args=args)[0]  # one worker (no tensor parallelism)
 
@@ -289,7 +294,7 @@ def serve(inp, out) -> int:
                 reply = worker.init(req)
             elif op == "generate":
                 reply = generate(worker.llm, req, emit, worker.schedule)
-            elif op in ("reload", "drafter"):
+            elif op in ("reload", "drafter", "probe"):
                 reply = getattr(worker, op)(req)
             else:
                 raise ValueError(f"unknown op {op!r}")
