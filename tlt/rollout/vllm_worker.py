@@ -34,6 +34,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -275,10 +276,17 @@ class Worker:
     def build(self) -> float:
         t0 = time.perf_counter()
         self.close()
-        self.llm = make_llm(self.spec, self.target_dir, self.drafter_dir)
+        from vllm_ext import own_head_placeholder  # this script's folder is sys.path[0]
+
+        placeholder = own_head_placeholder(self.drafter_dir) if self.spec.get("method") == "eagle3" else None
+        self.llm = make_llm(self.spec, self.target_dir, placeholder or self.drafter_dir)
+        if placeholder:  # the drafter's real weights, into its own LM head
+            self._rpc("tlt_reload_drafter", self.drafter_dir)
+            shutil.rmtree(placeholder, ignore_errors=True)
         if self.spec.get("method"):
             self.schedule = Schedule(self.llm, self.spec["k"], self.spec["threshold"], self.spec["max_num_seqs"])
             self.tap = StepTap(self.llm)
+
         return time.perf_counter() - t0
 
     def close(self) -> None:
