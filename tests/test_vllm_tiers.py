@@ -106,7 +106,8 @@ def test_guard_trips_on_an_untrained_drafter_and_rearms(setup):
     target, drafter, engine, _ = setup
     prompts, stops = _tail_prompts(engine, target)
     tuner, engine.tuner, engine.eos_ids = engine.tuner, None, stops  # the fixed chain: every rollout drafts
-    engine.guard = SpecGuard([1, 2, 3], patience=2)
+    cfg, engine.guard = engine.cfg, SpecGuard([1, 2, 3], patience=2)
+    engine.cfg = cfg.model_copy(update={"guard_patience": 2})
     try:
         engine.trace = True
         outs = [engine.generate(prompts, temperature=0.0) for _ in range(3)]
@@ -121,5 +122,5 @@ def test_guard_trips_on_an_untrained_drafter_and_rearms(setup):
         again = engine.generate(prompts, temperature=0.0)
         assert again.stats.spec_row_passes > 0 and rollout_metrics(again)["spec/guard_tripped"] == 0.0
     finally:
-        engine.tuner, engine.eos_ids, engine.guard, engine.trace = tuner, EOS, None, False
+        engine.tuner, engine.eos_ids, engine.cfg, engine.trace = tuner, EOS, cfg, False
     assert len(outs[0].response_ids[0]) <= MAX_NEW

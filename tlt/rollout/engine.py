@@ -114,7 +114,7 @@ class RolloutEngine:
         self._retire(st, outs)
         self._decode(st, opts, gen, outs, use_spec, threshold, on_tail)
         outs.stats.time_s = time.perf_counter() - t0
-        if self.guard is not None and use_spec:
+        if self.cfg.guard_patience and use_spec:
             outs.stats.guard_tripped = self.guard.observe(outs.steps)
         outs.stats.target_forwards = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
@@ -126,7 +126,7 @@ class RolloutEngine:
 
     def _rearm_on_new_drafter(self) -> None:
         """New drafter weights (a refresh, a spot-trainer load, a checkpoint) re-arm the spec guard."""
-        if self.drafter is None or self.guard is None:
+        if self.drafter is None:
             return
         seen = fingerprint(self.drafter)
         if seen != self._drafter_seen:
@@ -145,6 +145,7 @@ class RolloutEngine:
         """Decode until every row finished: plain steps, SD rounds once <= threshold rows ran for
         more than `spec_patience` steps; `on_tail(n_running)` once when the tail starts."""
         in_tail, below = False, 0
+        guard = self.guard if self.cfg.guard_patience else None  # 0: off (also measure_accept's fixed chain)
         while st.size > 0:
             n_run = st.size
             below = below + 1 if n_run <= threshold else 0
@@ -153,7 +154,7 @@ class RolloutEngine:
                 if on_tail is not None:
                     on_tail(n_run)
             t_step = time.perf_counter()
-            if use_spec and below > self.cfg.spec_patience and (self.guard is None or self.guard.allows(n_run)):
+            if use_spec and below > self.cfg.spec_patience and (guard is None or guard.allows(n_run)):
                 self._spec_step(st, opts, gen, outs)
             else:
                 self._plain_step(st, opts, gen, outs)
@@ -228,7 +229,7 @@ class RolloutEngine:
         dt = time.perf_counter() - t0
         if strategy.plain:
             outs.steps.plain(dt)
-        elif self.guard is not None:
+        else:
             outs.steps.spec(self.guard.tier_of(bsz), dt, bsz, produced)
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
@@ -305,13 +306,10 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     old_history = engine.history  # engines without n-gram drafts (vLLM) keep none
     if old_history is not None:
         engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
-    engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
+    engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0, "guard_patience": 0,
                                             "strategy": strategy, "draft_min_prob": 0.0,
                                             "draft_stop_below": 0.0})
     engine.tuner = None
-    old_guard = getattr(engine, "guard", None)  # the fixed chain on every round: no guard either
-    if old_guard is not None:
-        engine.guard = None
     tokens = passes = 0
     responses: list[list[int]] = []
     try:
@@ -323,8 +321,6 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
             responses += [list(r) for r in out.response_ids]
     finally:
         engine.cfg, engine.tuner = old_cfg, old_tuner
-        if old_guard is not None:
-            engine.guard = old_guard
         if old_history is not None:
             engine.history = old_history
     return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)

