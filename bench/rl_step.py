@@ -1,7 +1,7 @@
 """RL step benchmark: the tlt GRPO loop plain / with the adaptive drafter / with a frozen drafter,
 and TRL's GRPOTrainer as the peer, on the same model, prompts, group size and lengths.
 
-    python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl]
+    python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
 
 The three tlt runs live in this process, built with `Pipeline(cfg)` from the same seed and data,
 and are interleaved step by step (the order rotates every step) so the shared machine's noise
@@ -14,12 +14,15 @@ first-touch of the KV cache, the spot worker's first batches).
 Accuracy parity: SD is lossless in distribution, not sample for sample, so the plain and adaptive
 `reward/mean` curves are compared with a paired sign-flip permutation test (see `parity`), and
 greedy evaluation is checked token-identical with SD forced on vs off on the same weights.
-TRL runs afterwards in its own venv (`.venv-trl`, created once) through bench/trl_grpo.py.
+The vLLM arms (bench/rl_step_vllm.py: the same three loops on `rollout.backend=vllm`) run next
+whenever the vLLM venv exists. TRL runs afterwards in its own venv (`.venv-trl`, created once)
+through bench/trl_grpo.py.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -44,6 +47,14 @@ PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 
                "(step, prompt) pairs of the difference of group-mean rewards, adaptive - plain "
                "(same prompts per step in both runs), alpha 0.01; per-step Welch t-tests on the "
                "per-sample rewards are reported for information (Bonferroni alpha 0.01/N)")
+
+
+def sibling(name: str):
+    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 # ---------------------------------------------------------------- configs and the tlt runs
@@ -311,6 +322,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer run")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM arms (bench/rl_step_vllm.py)")
     ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -318,13 +330,17 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         tlt = run_tlt(args.config, args.overrides, args.steps, out_dir)
+        vllm_arms = sibling("rl_step_vllm")  # vLLM plain / tail SD / frozen, whenever vLLM's venv exists
+        vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(
+            args.config, args.overrides, args.steps, out_dir)
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
-        res = summarize(tlt, trl, args.steps)
+        res = vllm_arms.merge(summarize(tlt, trl, args.steps), vllm)
         res["command"] = " ".join(["python bench/rl_step.py", *(argv if argv is not None else sys.argv[1:])])
     finally:
         if args.out_dir is None:
             shutil.rmtree(out_dir, ignore_errors=True)
     print_table(res)
+    vllm_arms.print_lines(res)
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(res, indent=2))
