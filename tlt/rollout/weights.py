@@ -1,5 +1,7 @@
-"""The rollout engine's own copy of the policy in `rollout.dtype` (e.g. bf16 on a bf16-capable CPU
-or GPU while the update keeps fp32 master weights; tlt.precision).
+"""Weights as the rollout engines see them: content fingerprints (`fingerprint`, `digest`) that tell
+when the policy or the drafter changed, and the torch engine's own copy of the policy in
+`rollout.dtype` (e.g. bf16 on a bf16-capable CPU or GPU while the update keeps fp32 master weights;
+tlt.precision).
 
 The copy is rounded from the master weights whenever they changed. Changes are found from a
 bit-pattern fingerprint of the master, not torch's version counters, which DeepSpeed ZeRO-1/2
