@@ -67,9 +67,9 @@ class TierPlan:
             if not rec[DECODE]:
                 continue
             tier = self.tier_of(rec[RUNNING])
-            if rec[DRAFTS]:
-                log.spec(tier, rec[SECONDS], rec[DRAFTS], rec[DRAFTS] + rec[ACCEPTED])
-            elif rec[K_IN] == 0:
+            if rec[DRAFTS] and self.guard is not None:  # the guard's own tiers (a resumed bandit may differ)
+                log.spec(self.guard.tier_of(rec[RUNNING]), rec[SECONDS], rec[DRAFTS], rec[DRAFTS] + rec[ACCEPTED])
+            elif not rec[DRAFTS] and rec[K_IN] == 0:
                 log.plain(rec[SECONDS])
             if played[tier] and rec[RUNNING] <= threshold and rec[K_IN] == self.tiers[tier][1]:
                 tokens[tier] += rec[RUNNING] + rec[ACCEPTED]
