@@ -1,5 +1,9 @@
 # Two commands: `make run` (the pipeline on conf/default.yaml) and `make test`.
 # Both create and fill .venv first; that step is a no-op once the venv is complete.
+# Test tiers (markers in pyproject.toml, docs/development.md):
+#   test-fast  unit tier: everything but the slow, vllm, browser, ray and gpu markers (the edit-test loop)
+#   test       test-fast + the slow end-to-end tests (what CI runs first)
+#   test-slow  only the slow tests;  test-vllm / test-ray / test-ui / test-gpu: one marker each
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -12,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export MLFLOW_DISABLE_TELEMETRY ?= true
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv run test test-ray test-vllm test-ui ui bench clean
+.PHONY: venv run test test-fast test-slow test-ray test-vllm test-ui test-gpu docs ui bench clean
 
 venv: $(STAMP)
 
@@ -26,7 +30,17 @@ run: venv
 	$(BIN)/tlt run $(CONFIG)
 
 test: venv
-	$(BIN)/python -m pytest -q -m "not vllm and not browser and not ray" tests
+	$(BIN)/python -m pytest -q -m "not vllm and not browser and not ray and not gpu" tests
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not browser and not ray and not gpu" tests
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m "slow and not vllm and not browser and not ray and not gpu" tests
+
+# CUDA tests; each skips on a machine without a CUDA device (pytest's exit 5, no gpu test collected, is not a failure).
+test-gpu: venv
+	$(BIN)/python -m pytest -q -m gpu tests || test $$? -eq 5
 
 # Scale-out on Ray: installs the `ray` extra into .venv, then the tests that start local Ray instances.
 test-ray: venv
@@ -43,11 +57,19 @@ test-ui: venv
 	  apt-get install -y -qq chromium >/dev/null) || echo "test-ui: could not install chromium; the browser test will skip"
 	$(BIN)/python -m pytest -q -m browser tests/test_ui_browser.py
 
+# The docs site (docs/, mkdocs.yml): installs the `docs` extra into .venv, then a strict build into site/.
+docs: venv
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,docs]'
+	$(BIN)/python bench/render.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+
 ui: venv
 	$(BIN)/tlt ui
 
+# The benchmark suites (`tlt bench list`); one of them: make bench SUITE=rollout ARGS="--steps 3"
+SUITE ?= rollout
 bench: venv
-	$(BIN)/python bench/rollout.py $(CONFIG) --json bench/results/rollout.json
+	$(BIN)/tlt bench $(SUITE) $(CONFIG) $(ARGS)
 
 clean:
-	rm -rf $(VENV) .prefect .cache mlflow/mlflow.db mlflow/artifacts
+	rm -rf $(VENV) .prefect .cache mlflow/mlflow.db mlflow/artifacts site

@@ -6,7 +6,7 @@
 One Pipeline run (SD off in its rollouts: SD is lossless, so the policy does not depend on the
 drafter) with a raised `rl.lr` so the policy really drifts. Its own refresher is the *adaptive*
 arm: `drafter.refresh_steps` sequential drafter steps on the online buffer after every policy
-update (`drafter.spot: false`, a fixed step count, not wall-clock dependent). From the same
+update (`drafter.where: sequential`, a fixed step count, not wall-clock dependent). From the same
 warm-started drafter: *frozen* (never trained again) and *control* (the same refresher code and
 step count on the warm-start corpus: more training without fresh data). Optionally, on the final
 policy only, *oracle*: the adaptive drafter plus `--oracle-steps` steps on that policy's own rollouts
@@ -26,32 +26,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
-import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 DEPTH = 4
 ARMS = ("frozen", "adaptive", "control")
-
-
-def sibling(name: str):
-    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-_arms = sibling("adaptive_arms")
+_arms = harness.load("adaptive_arms")
 share_drafter, control_refresher, oracle_drafter = _arms.share_drafter, _arms.control_refresher, _arms.oracle_drafter
 rollout_samples = _arms.rollout_samples
 
@@ -61,9 +48,9 @@ def bench_config(config: str | None, overrides: list[str], steps: int, drafter_s
     """The run: SD off in the rollout, sequential refresh of `drafter_steps` steps after every update."""
     from tlt.config import load_config
 
-    base = [f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}", "tracking.samples_every=0",
-            "rollout.spec=false", "drafter.spot=false", "drafter.refresh_every=1",
-            f"drafter.refresh_steps={drafter_steps}", f"rl.steps={steps}", f"data.heldout_size={eval_prompts}"]
+    base = harness.run_overrides(out_dir) + [
+        "rollout.spec=false", "drafter.where=sequential", "drafter.schedule=every_k", "drafter.refresh_every=1",
+        f"drafter.refresh_steps={drafter_steps}", f"rl.steps={steps}", f"data.heldout_size={eval_prompts}"]
     if rl_lr is not None:
         base.append(f"rl.lr={rl_lr}")
     return load_config(config, base + list(overrides))
@@ -129,7 +116,7 @@ def sd_check(pipe, drafters: dict, out_dir: Path, row_prompts: int, max_new: int
     """bench/rollout.py at batch 1, tuner off, on the final policy, per arm (exported drafters)."""
     from tlt.export import export_eagle3
 
-    rollout = sibling("rollout")
+    rollout = harness.load("rollout")
     out = {}
     for name, d in drafters.items():
         path = export_eagle3(d, pipe.model.config, out_dir / f"drafter_{name}", force=True)
@@ -318,10 +305,7 @@ def log_to_mlflow(tracker, res: dict) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--steps", type=int, default=5)
+    ap = harness.parser(__doc__, steps=5, out_dir=True)
     ap.add_argument("--rl-lr", type=float, default=1e-4, help="policy LR of the trajectory (drift); 0 = the config's")
     ap.add_argument("--drafter-steps", type=int, default=None,
                     help="drafter steps per RL step, adaptive and control (default: drafter.refresh_steps)")
@@ -333,10 +317,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="also an oracle arm on the final policy: the adaptive drafter plus this many steps on the "
                     "final policy's own rollouts (0 = no oracle)")
     ap.add_argument("--oracle-prompts", type=int, default=64, help="training prompts of the oracle's rollouts")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--mlflow-uri", default=None, help="tracking store (default: the project's mlflow/)")
     ap.add_argument("--no-mlflow", action="store_true")
-    ap.add_argument("--out-dir", default=None, help="run folder (default: a temporary folder, removed)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's; 1 is "
                     "faster than 2 on a 2-core box that other jobs share)")
     return ap
@@ -346,37 +328,29 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-adaptive-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     from tlt.config import load_config
 
     n_drafter = args.drafter_steps or load_config(args.config, args.overrides).drafter.refresh_steps
-    cfg = bench_config(args.config, args.overrides, args.steps, n_drafter, args.rl_lr or None, args.eval_prompts,
-                       out_dir / "runs")
     tracker = None
     if not args.no_mlflow:
         from tlt.tracking import MlflowTracker
 
         tracker = MlflowTracker("tlt-bench", run_name="adaptive", uri=args.mlflow_uri)
     try:
-        out = run(cfg, args.steps, args.eval_tokens, args.sd_prompts, args.kl_prompts, out_dir, tracker,
-                  oracle_steps=args.oracle_steps, oracle_prompts=args.oracle_prompts)
+        with harness.workdir(args.out_dir, "tlt-bench-adaptive-") as out_dir:
+            cfg = bench_config(args.config, args.overrides, args.steps, n_drafter, args.rl_lr or None,
+                               args.eval_prompts, out_dir / "runs")
+            out = run(cfg, args.steps, args.eval_tokens, args.sd_prompts, args.kl_prompts, out_dir, tracker,
+                      oracle_steps=args.oracle_steps, oracle_prompts=args.oracle_prompts)
         res = summarize(out, args.steps, n_drafter)
-        res["command"] = " ".join(["python bench/adaptive.py", *(argv if argv is not None else sys.argv[1:])])
         if tracker is not None:
             log_to_mlflow(tracker, res)
             res["mlflow_run_id"] = tracker.run_id
     finally:
         if tracker is not None:
             tracker.end()
-        if args.out_dir is None:
-            shutil.rmtree(out_dir, ignore_errors=True)
     print_table(res)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "adaptive", args, argv)
 
 
 if __name__ == "__main__":

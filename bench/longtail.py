@@ -16,13 +16,14 @@ Lengths count response tokens, the closing EOS included. No timings are asserted
 """
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 from tlt.config import load_config
 from tlt.data import load_dataset, prompt_ids
 from tlt.models import eos_token_ids, load_target
@@ -85,30 +86,23 @@ def print_table(res: dict, show: int = 0) -> None:
         print(f"--- [{s['reward']:.0f}] {s['tokens']} tok, gold {s['answer']}: {s['response']!r}")
     print(f"\n{res['config']}: {res['prompts']} prompts x {res['group']} samples, T={res['temperature']}, "
           f"top_p={res['top_p']}, cap {res['max_new_tokens']}, reward {res['reward']}, tasks {', '.join(res['tasks'])}")
-    print(f"{'p50':>6} {'p90':>6} {'max':>6} {'mean':>6} {'max/p50':>8} {'at cap':>7} {'accuracy':>9} {'groups var':>11}")
-    print(f"{res['response_length/p50']:>6.0f} {res['response_length/p90']:>6.0f} {res['response_length/max']:>6.0f} "
-          f"{res['response_length/mean']:>6.1f} {res['max_over_p50']:>8.2f} {res['at_cap_share']:>7.2f} "
-          f"{res['accuracy']:>9.3f} {res['groups_with_variance']:>11.2f}")
+    harness.print_table([res], {"response_length/p50": ("p50", ".0f"), "response_length/p90": ("p90", ".0f"),
+                                "response_length/max": ("max", ".0f"), "response_length/mean": ("mean", ".1f"),
+                                "max_over_p50": ("max/p50", ".2f"), "at_cap_share": ("at cap", ".2f"),
+                                "accuracy": ("accuracy", ".3f"), "groups_with_variance": ("groups var", ".2f")})
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
+    ap = harness.parser(__doc__)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--split", choices=("heldout", "train"), default="heldout")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompt draw and of sampling")
-    ap.add_argument("--json", dest="json_out")
     ap.add_argument("--show", type=int, default=0, help="print the first N responses")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    res = run(cfg, args.prompts, args.group, args.split, args.seed)
+    res = run(load_config(args.config, args.overrides), args.prompts, args.group, args.split, args.seed)
     print_table(res, args.show)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "longtail", args, argv)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,14 @@ permutation test of bench/rl_step.py. Accuracy: held-out greedy accuracy after t
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from rl_step import mean_excluding_first, parity, step_record  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import mean_excluding_first  # noqa: E402
+from rl_step import parity, step_record  # noqa: E402
 
 ARMS = {
     "fp32": ["trainer.precision=fp32", "drafter.precision=fp32", "rollout.dtype=float32"],
@@ -38,20 +32,16 @@ ARMS = {
 
 
 def arm_config(config: str, overrides: list[str], arm: str, steps: int, out_dir: Path):
-    """RunConfig of one arm: its own cache (models linked in, corpora and drafters fresh) and run
-    folder; rl.steps = N + 1 so the final checkpoint is never written (as bench/rl_step.py)."""
+    """RunConfig of one arm: its own cache (models linked in, corpora and drafters fresh) and run folder."""
     from tlt.config import load_config
 
-    base = load_config(config, overrides)
-    cache = out_dir / f"cache-{arm}"
-    cache.mkdir(parents=True, exist_ok=True)
-    models = cache / "models"
+    models = out_dir / f"cache-{arm}" / "models"
     if not models.exists():
-        Path(base.model.cache_dir).resolve().mkdir(parents=True, exist_ok=True)
-        models.symlink_to(Path(base.model.cache_dir).resolve())
-    extra = [f"name=bench-precision-{arm}", f"trainer.checkpoint_dir={out_dir / 'runs'}",
-             f"trainer.checkpoint_every={10 ** 6}", f"rl.steps={steps + 1}", "tracking.samples_every=0",
-             f"model.cache_dir={models}"]
+        models.parent.mkdir(parents=True, exist_ok=True)
+        cache = Path(load_config(config, overrides).model.cache_dir).resolve()
+        cache.mkdir(parents=True, exist_ok=True)
+        models.symlink_to(cache)
+    extra = harness.run_overrides(out_dir / "runs", steps, f"bench-precision-{arm}") + [f"model.cache_dir={models}"]
     return load_config(config, list(overrides) + ARMS[arm] + extra)
 
 
@@ -59,7 +49,7 @@ def rollout_tok_s(pipes: dict, reps: int = 2) -> dict:
     """Tokens/s of each arm's engine on held-out prompts, SD off and on, interleaved over `reps`."""
     out: dict[str, list[float]] = {}
     for rep in range(reps):
-        for arm in (list(pipes) if rep % 2 == 0 else list(pipes)[::-1]):
+        for arm in harness.rotated(list(pipes), rep):
             p = pipes[arm]
             r = p.cfg.rollout
             prompts = p.prompt_ids(p.dataset.heldout["prompt"][: r.prompts_per_step])
@@ -72,14 +62,10 @@ def rollout_tok_s(pipes: dict, reps: int = 2) -> dict:
 
 
 def run(config: str, overrides: list[str], steps: int, out_dir: Path) -> dict:
-    from tlt.pipeline import Pipeline
-
-    pipes = {a: Pipeline(arm_config(config, overrides, a, steps, out_dir)) for a in ARMS}
+    cfgs = {a: arm_config(config, overrides, a, steps, out_dir) for a in ARMS}
     warm, records = {}, {a: [] for a in ARMS}
-    try:
+    with harness.pipelines(cfgs) as pipes:
         for arm, p in pipes.items():
-            p.validate_data()
-            p.prepare()
             corpus = p.build_corpus()
             ws = p.warmstart(corpus)
             warm[arm] = {"corpus_s": corpus.build_s, "warmstart_s": ws.time_s, "train_steps": ws.train_steps,
@@ -87,15 +73,13 @@ def run(config: str, overrides: list[str], steps: int, out_dir: Path) -> dict:
             print(f"{arm}: corpus {corpus.build_s:.1f} s, warm-start {ws.time_s:.1f} s ({ws.train_steps} steps), "
                   f"accept {ws.accept_len_after:.2f}", flush=True)
         tok_s = rollout_tok_s(pipes)
-        for step in range(steps):
-            for arm in (list(ARMS) if step % 2 == 0 else list(ARMS)[::-1]):
-                summary = pipes[arm].rl_step(step)
-                records[arm].append(step_record(summary))
-                print(f"step {step} {arm}: {summary.step_s:6.1f} s, reward {summary.reward_mean:.3f}", flush=True)
+
+        def on_step(arm, step, summary):
+            records[arm].append(step_record(summary))
+            print(f"step {step} {arm}: {summary.step_s:6.1f} s, reward {summary.reward_mean:.3f}", flush=True)
+
+        harness.interleave(pipes, steps, on_step)
         accuracy = {arm: p.evaluate(steps).accuracy for arm, p in pipes.items()}
-    finally:
-        for p in pipes.values():
-            p.close()
     return {"warm": warm, "records": records, "tok_s": tok_s, "accuracy": accuracy}
 
 
@@ -131,38 +115,15 @@ def summarize(raw: dict, steps: int) -> dict:
     }
 
 
-def provenance(argv: list[str]) -> dict:
-    """Where the numbers come from: the command, the commit, the machine, the date."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"command": " ".join(["python bench/precision.py", *argv]), "commit": commit.strip(),
-            "machine": f"{cpu}, {os.cpu_count()} cores", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    args = ap.parse_args(argv)
-    argv = argv if argv is not None else sys.argv[1:]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out_dir = Path(tempfile.mkdtemp(prefix="tlt-bench-precision-"))
-    try:
-        res = {**provenance(argv), **summarize(run(args.config, args.overrides, args.steps, out_dir), args.steps)}
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    keys = ("step_speedup", "update_speedup", "rollout_speedup_bf16", "rollout_tok_s_speedup_plain",
-            "rollout_tok_s_speedup_sd", "warmstart_speedup", "accept_len_fp32", "accept_len_bf16",
-            "accuracy_fp32", "accuracy_bf16", "reward_curves_match", "parity_p_value")
-    for k in keys:
+    args = harness.parser(__doc__, steps=3).parse_args(argv)
+    with harness.workdir(None, "tlt-bench-precision-") as out_dir:
+        res = summarize(run(args.config, args.overrides, args.steps, out_dir), args.steps)
+    for k in ("step_speedup", "update_speedup", "rollout_speedup_bf16", "rollout_tok_s_speedup_plain",
+              "rollout_tok_s_speedup_sd", "warmstart_speedup", "accept_len_fp32", "accept_len_bf16",
+              "accuracy_fp32", "accuracy_bf16", "reward_curves_match", "parity_p_value"):
         print(f"{k:>28}: {res[k]:.3f}" if isinstance(res[k], float) else f"{k:>28}: {res[k]}")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "precision", args, argv)
 
 
 if __name__ == "__main__":

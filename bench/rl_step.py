@@ -1,5 +1,6 @@
-"""RL step benchmark: the tlt GRPO loop plain / with the adaptive drafter / with a frozen drafter,
-and TRL's GRPOTrainer as the peer, on the same model, prompts, group size and lengths.
+"""RL step benchmark: tlt's GRPO loop plain, with the adaptive drafter and with a frozen drafter, and TRL.
+
+The three tlt runs and TRL's GRPOTrainer as the peer use the same model, prompts, group size and lengths.
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
 
@@ -20,25 +21,25 @@ through bench/trl_grpo.py.
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import importlib.util
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-MODES = {  # overrides per run; the spot trainer needs refresh_every > 0 to be wired into the step
-    "plain": ["rollout.spec=false", "drafter.refresh_every=0", "drafter.spot=false"],
-    "adaptive": ["rollout.spec=true", "drafter.spot=true", "drafter.refresh_every=1"],
-    "frozen": ["rollout.spec=true", "drafter.spot=false", "drafter.refresh_every=0"],
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from harness import mean_excluding_first  # noqa: E402
+
+ROOT = harness.ROOT
+MODES = {  # overrides per run; "adaptive" keeps the recipe's schedule, trained by the spot trainer
+    "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
+    "adaptive": ["rollout.spec=true", "drafter.where=spot"],
+    "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
 }
 ALPHA = 0.01
 N_PERM = 20_000
@@ -49,23 +50,12 @@ PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 
                "per-sample rewards are reported for information (Bonferroni alpha 0.01/N)")
 
 
-def sibling(name: str):
-    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 # ---------------------------------------------------------------- configs and the tlt runs
 def mode_config(config: str | None, overrides: list[str], mode: str, steps: int, out_dir: Path):
-    """RunConfig of one run. rl.steps = N + 1 so that the pipeline's final checkpoint (outside
-    `timing_s/step`, ~1.6 GB for SmolLM2) is never written; per-step checkpoints are off."""
+    """RunConfig of one run (harness.run_overrides: no checkpoint inside or after the timed steps)."""
     from tlt.config import load_config
 
-    extra = [f"name=bench-{mode}", f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}",
-             f"rl.steps={steps + 1}", "tracking.samples_every=0"]
-    return load_config(config, list(overrides) + MODES[mode] + extra)
+    return load_config(config, list(overrides) + MODES[mode] + harness.run_overrides(out_dir, steps, f"bench-{mode}"))
 
 
 def shared_warmstart(pipes: dict) -> bool:
@@ -117,22 +107,16 @@ def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
 
 def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path) -> dict:
     """The three runs, interleaved step by step; returns per-mode step records and end results."""
-    from tlt.pipeline import Pipeline
-
-    pipes = {m: Pipeline(mode_config(config, overrides, m, steps, out_dir)) for m in MODES}
-    for p in pipes.values():
-        p.validate_data()
-        p.prepare()
-    same_drafter = shared_warmstart(pipes)
     runs: dict[str, dict] = {m: {"steps": []} for m in MODES}
-    order = list(MODES)
-    try:
-        for step in range(steps):
-            for m in order[step % 3:] + order[: step % 3]:  # rotate who goes first
-                summary = pipes[m].rl_step(step)
-                runs[m]["steps"].append(step_record(summary))
-                print(f"step {step} {m:>8}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
-                      f"accept {summary.accept_len or 0:.2f}", flush=True)
+
+    def on_step(m, step, summary):
+        runs[m]["steps"].append(step_record(summary))
+        print(f"step {step} {m:>8}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
+              f"accept {summary.accept_len or 0:.2f}", flush=True)
+
+    with harness.pipelines({m: mode_config(config, overrides, m, steps, out_dir) for m in MODES}) as pipes:
+        same_drafter = shared_warmstart(pipes)
+        harness.interleave(pipes, steps, on_step)
         for m, p in pipes.items():
             if p.cfg.rollout.spec:
                 same, ev = greedy_identical(p, steps)
@@ -140,12 +124,8 @@ def run_tlt(config: str | None, overrides: list[str], steps: int, out_dir: Path)
             else:
                 ev = p.evaluate(steps)
                 runs[m]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
-    finally:
-        for p in pipes.values():
-            p.close()
-    train_rows = pipes["plain"].dataset.train
-    cfg = pipes["plain"].cfg
-    del pipes
+        train_rows, cfg = pipes["plain"].dataset.train, pipes["plain"].cfg
+    del pipes  # free the three models before TRL runs
     gc.collect()
     return {"runs": runs, "same_warmstart_drafter": same_drafter, "train_rows": train_rows, "cfg": cfg}
 
@@ -169,18 +149,11 @@ def parity(plain: list[dict], spec: list[dict], alpha: float = ALPHA, n_perm: in
     """`PARITY_TEST` on two runs' step records (same prompts per step); match = p >= alpha."""
     diffs = np.concatenate([group_means(s["rewards"], s["group_index"]) - group_means(p["rewards"], p["group_index"])
                             for p, s in zip(plain, spec)])
-    obs = abs(diffs.mean())
-    signs = np.random.default_rng(0).choice([-1.0, 1.0], size=(n_perm, len(diffs)))
-    null = np.abs((signs * diffs).mean(axis=1))
-    p_value = float((1 + np.sum(null >= obs - 1e-12)) / (n_perm + 1))
+    p_value = harness.sign_flip_p(diffs, n_perm)
     welch = [welch_p(p["rewards"], s["rewards"]) for p, s in zip(plain, spec)]
     return {"parity_test": PARITY_TEST, "parity_p_value": p_value, "parity_n_pairs": int(len(diffs)),
             "parity_mean_diff": float(diffs.mean()), "reward_curves_match": bool(p_value >= alpha),
             "welch_p_per_step": welch, "welch_all_steps_match": bool(all(w >= alpha / len(welch) for w in welch))}
-
-
-def mean_excluding_first(values: list[float]) -> float:
-    return float(np.mean(values[1:] if len(values) > 1 else values))
 
 
 # ---------------------------------------------------------------- TRL peer
@@ -237,7 +210,8 @@ def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
             "num_generations": r.group_size, "max_completion_length": r.max_new_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "lr": rl.lr, "weight_decay": rl.weight_decay, "max_grad_norm": cfg.trainer.grad_clip,
             "epsilon": rl.clip_low, "epsilon_high": rl.clip_high, "beta": rl.kl_coef, "seed": rl.seed,
-            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}
+            "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum,
+            "bf16": cfg.trainer.precision == "bf16-mixed"}  # TRL at tlt's precision: fp32 weights, bf16 autocast
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run([str(py), str(ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")], check=True, env=env)
@@ -290,18 +264,17 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
 
 def print_table(res: dict) -> None:
     c = res["curves"]
-    print(f"\n{'run':>8} {'step s':>8} {'rollout s':>10} {'policy s':>9} {'drafter s':>10} {'accept':>7} "
-          f"{'eval acc':>9}  reward/mean per step")
-    for m in ("plain", "adaptive", "frozen"):
-        mean = lambda k: mean_excluding_first(c[m][k])  # noqa: E731
-        acc = res["eval"][m].get("accept_len") or 0.0
-        print(f"{m:>8} {mean('step_s'):>8.1f} {mean('rollout_s'):>10.1f} {mean('update_policy_s'):>9.1f} "
-              f"{mean('update_drafter_s'):>10.2f} {acc:>7.2f} {res['eval'][m]['accuracy']:>9.3f}  "
-              + " ".join(f"{r:.3f}" for r in c[m]["reward_mean"]))
+    rows = [{"run": m, **{k: mean_excluding_first(c[m][k]) for k in ("step_s", "rollout_s", "update_policy_s",
+                                                                       "update_drafter_s")},
+             "accept": res["eval"][m].get("accept_len"), "acc": res["eval"][m]["accuracy"],
+             "rewards": " ".join(f"{r:.3f}" for r in c[m]["reward_mean"])} for m in ("plain", "adaptive", "frozen")]
     if res["trl"]:
-        t = res["trl"]
-        print(f"{'trl':>8} {t['step_s']:>8.1f} {'':>10} {'':>9} {'':>10} {'':>7} {'':>9}  "
-              + " ".join(f"{r:.3f}" for r in t["reward_mean"]))
+        rows.append({"run": "trl", "step_s": res["trl"]["step_s"],
+                     "rewards": " ".join(f"{r:.3f}" for r in res["trl"]["reward_mean"])})
+    harness.print_table(rows, {"run": ("run", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
+                               "update_policy_s": ("policy s", ".1f"), "update_drafter_s": ("drafter s", ".2f"),
+                               "accept": ("accept", ".2f"), "acc": ("eval acc", ".3f"),
+                               "rewards": ("reward/mean per step", "s")})
     trl = f", vs TRL x{res['speedup_vs_trl']:.2f}" if res["trl"] else ""
     print(f"\nmeans over steps 1..N-1 ({res['excluded_from_means']} excluded); speedup adaptive vs plain "
           f"x{res['speedup_vs_plain']:.2f}, frozen vs plain x{res['speedup_frozen_vs_plain']:.2f}{trl}")
@@ -316,35 +289,20 @@ def print_table(res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap = harness.parser(__doc__, steps=3, out_dir=True)
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer run")
     ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM arms (bench/rl_step_vllm.py)")
-    ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-rl-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
+    vllm_arms = harness.load("rl_step_vllm")  # vLLM plain / tail SD / frozen, whenever vLLM's venv exists
+    with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
         tlt = run_tlt(args.config, args.overrides, args.steps, out_dir)
-        vllm_arms = sibling("rl_step_vllm")  # vLLM plain / tail SD / frozen, whenever vLLM's venv exists
         vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(
             args.config, args.overrides, args.steps, out_dir)
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
         res = vllm_arms.merge(summarize(tlt, trl, args.steps), vllm)
-        res["command"] = " ".join(["python bench/rl_step.py", *(argv if argv is not None else sys.argv[1:])])
-    finally:
-        if args.out_dir is None:
-            shutil.rmtree(out_dir, ignore_errors=True)
     print_table(res)
     vllm_arms.print_lines(res)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "rl_step", args, argv)
 
 
 if __name__ == "__main__":

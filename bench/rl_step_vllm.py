@@ -17,19 +17,13 @@ TRL's step over the best tlt step of any arm.
 from __future__ import annotations
 
 import gc
-import importlib.util
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 ARMS = {"plain": "vllm_plain", "adaptive": "vllm_spec", "frozen": "vllm_frozen"}  # rl_step's mode -> arm
-
-
-def _rl_step():
-    """bench/rl_step.py as a module (bench/ is a folder of scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_rl_step", ROOT / "bench" / "rl_step.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def available() -> bool:
@@ -45,33 +39,25 @@ def available() -> bool:
 
 def run_vllm(config: str | None, overrides: list[str], steps: int, out_dir: Path) -> dict:
     """The three vLLM runs, interleaved step by step; per-arm step records and end results."""
-    from tlt.pipeline import Pipeline
-
-    rl = _rl_step()
+    rl = harness.load("rl_step")
     extra = list(overrides) + ["rollout.backend=vllm", "rollout.workers=1"]
-    pipes = {m: Pipeline(rl.mode_config(config, extra, m, steps, out_dir / "vllm")) for m in ARMS}
-    runs: dict[str, dict] = {ARMS[m]: {"steps": [], "rebuilds": 0.0, "guard_tripped": 0.0} for m in ARMS}
-    try:
-        for p in pipes.values():
-            p.validate_data()
-            p.prepare()
+    runs: dict = {ARMS[m]: {"steps": [], "rebuilds": 0.0, "guard_tripped": 0.0} for m in ARMS}
+
+    def on_step(m, step, summary):
+        run = runs[ARMS[m]]
+        run["steps"].append(rl.step_record(summary))
+        run["rebuilds"] = max(run["rebuilds"], summary.metrics.get("rollout/vllm_rebuilds", 0.0))
+        run["guard_tripped"] = max(run["guard_tripped"], summary.metrics.get("spec/guard_tripped", 0.0))
+        print(f"step {step} {ARMS[m]:>11}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
+              f"accept {summary.accept_len or 0:.2f}", flush=True)
+
+    cfgs = {m: rl.mode_config(config, extra, m, steps, out_dir / "vllm") for m in ARMS}
+    with harness.pipelines(cfgs) as pipes:
         runs["same_warmstart_drafter"] = rl.shared_warmstart(pipes)
-        order = list(ARMS)
-        for step in range(steps):
-            for m in order[step % 3:] + order[: step % 3]:
-                summary = pipes[m].rl_step(step)
-                run = runs[ARMS[m]]
-                run["steps"].append(rl.step_record(summary))
-                run["rebuilds"] = max(run["rebuilds"], summary.metrics.get("rollout/vllm_rebuilds", 0.0))
-                run["guard_tripped"] = max(run["guard_tripped"], summary.metrics.get("spec/guard_tripped", 0.0))
-                print(f"step {step} {ARMS[m]:>11}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
-                      f"accept {summary.accept_len or 0:.2f}", flush=True)
+        harness.interleave(pipes, steps, on_step)
         for m in ("adaptive", "frozen"):
             same, ev = rl.greedy_identical(pipes[m], steps)
             runs[ARMS[m]].update(eval=ev, greedy_identical=same)
-    finally:
-        for p in pipes.values():
-            p.close()
     del pipes
     gc.collect()
     return runs
@@ -79,9 +65,7 @@ def run_vllm(config: str | None, overrides: list[str], steps: int, out_dir: Path
 
 def merge(res: dict, runs: dict | None) -> dict:
     """Add the vLLM keys to bench/rl_step.py's result `res` (None: the vLLM arms did not run)."""
-    from statistics import fmean
-
-    mean = lambda xs: fmean(xs[1:] if len(xs) > 1 else xs)  # noqa: E731 - step 0 excluded, as rl_step
+    mean = harness.mean_excluding_first
     torch_steps = [res["step_s_plain"], res["step_s_spec"], res["step_s_frozen"]]
     best = min(torch_steps)
     if runs is not None:

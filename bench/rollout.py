@@ -14,12 +14,13 @@ warm-started drafter was trained on) instead of the generic chat questions below
 """
 from __future__ import annotations
 
-import argparse
-import json
-import time
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 from tlt.config import load_config
 from tlt.metrics import rollout_metrics
@@ -58,19 +59,13 @@ def task_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def hf_generate(model, prompts, pad_id, eos_ids, max_new, return_tokens: bool = False):
     """Greedy HF generate over a left-padded batch -> tokens generated (up to EOS) per second
     (and the token count with `return_tokens`)."""
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    out, dt = _timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+    out, dt = harness.timed(lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                                             do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id))
     n = 0
     for row in out[:, width:].tolist():
@@ -88,8 +83,8 @@ def batch_row(eng_plain, eng_spec, model, batches, pad_id, eos_ids, max_new, rep
         t_plain = t_spec = 0.0
         n_tok = spec_tok = spec_pass = 0
         for prompts in batches:
-            a, ta = _timed(lambda: eng_plain.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=False))
-            b, tb = _timed(lambda: eng_spec.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=True))
+            a, ta = harness.timed(lambda: eng_plain.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=False))
+            b, tb = harness.timed(lambda: eng_spec.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=True))
             t_plain, t_spec = t_plain + ta, t_spec + tb
             n_tok += sum(len(r) for r in a.response_ids)
             identical &= a.response_ids == b.response_ids
@@ -113,13 +108,10 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps):
     plain = RolloutEngine(model, r, eos_ids, pad_id)
     spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
     kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
-    best = {"plain": float("inf"), "spec": float("inf")}
-    for _ in range(reps):
-        _, ta = _timed(lambda: plain.generate(prompts, spec=False, **kw))
-        b, tb = _timed(lambda: spec.generate(prompts, spec=True, **kw))
-        best["plain"], best["spec"] = min(best["plain"], ta), min(best["spec"], tb)
-        m = rollout_metrics(b)
-    return {"plain_s": best["plain"], "spec_s": best["spec"], "speedup": best["plain"] / best["spec"],
+    best = harness.best_of({"plain": lambda: plain.generate(prompts, spec=False, **kw),
+                            "spec": lambda: spec.generate(prompts, spec=True, **kw)}, reps)
+    m = rollout_metrics(best["spec"][1])
+    return {"plain_s": best["plain"][0], "spec_s": best["spec"][0], "speedup": best["plain"][0] / best["spec"][0],
             "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
             "enabled_share": m["spec/enabled_share"], "response_length_max": m["rollout/response_length/max"],
             "response_length_mean": m["rollout/response_length/mean"]}
@@ -194,24 +186,30 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
 def print_table(result: dict) -> None:
     print(f"\ndrafter={result['drafter']} prompts={result['prompts']} greedy_identical={result['greedy_identical']} "
           f"threads={result['threads']}")
-    print(f"{'batch':>5} {'plain tok/s':>12} {'SD tok/s':>10} {'HF tok/s':>10} {'SD/plain':>9} {'SD/HF':>7} "
-          f"{'plain/HF':>9} {'accept':>7}")
-    for r in result["rows"]:
-        print(f"{r['batch']:>5} {r['plain_tok_s']:>12.1f} {r['spec_tok_s']:>10.1f} {r['hf_tok_s']:>10.1f} "
-              f"{r['speedup_vs_plain']:>9.2f} {r['speedup_vs_hf']:>7.2f} {r['plain_vs_hf']:>9.2f} "
-              f"{r['accept_len_mean']:>7.2f}")
+    harness.print_table(result["rows"], {
+        "batch": ("batch", "d"), "plain_tok_s": ("plain tok/s", ".1f"), "spec_tok_s": ("SD tok/s", ".1f"),
+        "hf_tok_s": ("HF tok/s", ".1f"), "speedup_vs_plain": ("SD/plain", ".2f"), "speedup_vs_hf": ("SD/HF", ".2f"),
+        "plain_vs_hf": ("plain/HF", ".2f"), "accept_len_mean": ("accept", ".2f")})
     if "grpo" in result:
         g = result["grpo"]
         print(f"GRPO batch: plain {g['plain_s']:.2f}s, SD {g['spec_s']:.2f}s (x{g['speedup']:.2f}), "
               f"accept {g['accept_len_mean']:.2f}, tail share {g['tail_share']:.2f}")
 
 
+def check_inputs(cfg, drafter_dir: str | None) -> None:
+    """The config's paths and the drafter folder, before any model loads (exit 2 from `tlt bench`)."""
+    from tlt.errors import UserError
+    from tlt.inputs import check_run_inputs
+
+    if drafter_dir is not None and not (Path(drafter_dir) / "config.json").is_file():
+        raise UserError(f"--drafter '{drafter_dir}' is not an EAGLE-3 export (no config.json there); pass the folder "
+                        "`tlt export --out` or `tlt drafter warmstart --export` wrote")
+    check_run_inputs(cfg)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
+    ap = harness.parser(__doc__)
     ap.add_argument("--drafter", default=None, help="EAGLE-3 export directory (default: n-gram drafter)")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--reps", type=int, default=2)
@@ -227,14 +225,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg, args.drafter)
     result = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens,
                        args.reps, grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts,
                        tuner=args.tuner)
     print_table(result)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2))
-    return result
+    return harness.write_result(result, "rollout", args, argv)
 
 
 if __name__ == "__main__":

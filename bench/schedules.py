@@ -4,37 +4,33 @@
 
 Arms, one Pipeline each, interleaved step by step (rotating who goes first), same seed, prompts
 and warm-started drafter (a cache hit after the first), SD on in the rollout tail as configured:
-  none        no drafter training (`drafter.refresh_every: 0`): the rollout and step without it
-  spot        the spot trainer process trains during the rollout's tail (`drafter.spot: true`)
+  none        no drafter training (`drafter.schedule: frozen`): the rollout and step without it
+  spot        the spot trainer process trains during the rollout's tail (`drafter.where: spot`)
   sequential  a fixed budget of `--drafter-steps` drafter steps after the policy update
-              (`drafter.spot: false`, `drafter.refresh_steps`)
+              (`drafter.where: sequential`, `drafter.refresh_steps`)
 Per arm (means over steps 1..N-1, step 0 excluded: the buffer is empty there): drafter steps per
 RL step, drafter seconds inside the step, rollout and step seconds, and the rollout's slowdown
 against `none` (the spot trainer competes with decoding for the same 2 cores).
 """
 from __future__ import annotations
 
-import argparse
-import gc
-import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-ARMS = {"none": ["drafter.refresh_every=0", "drafter.spot=false"],
-        "spot": ["drafter.spot=true", "drafter.refresh_every=1"],
-        "sequential": ["drafter.spot=false", "drafter.refresh_every=1"]}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+ARMS = {"none": ["drafter.schedule=frozen"],
+        "spot": ["drafter.where=spot"],
+        "sequential": ["drafter.where=sequential"]}
 
 
 def arm_config(config, overrides, arm: str, steps: int, drafter_steps: int, out_dir: Path):
     from tlt.config import load_config
 
-    base = [f"trainer.checkpoint_dir={out_dir / arm}", f"trainer.checkpoint_every={10 ** 6}",
-            "tracking.samples_every=0", f"rl.steps={steps + 1}", f"drafter.refresh_steps={drafter_steps}"]
+    base = harness.run_overrides(out_dir / arm, steps) + [f"drafter.refresh_steps={drafter_steps}"]
     return load_config(config, base + list(overrides) + ARMS[arm])
 
 
@@ -48,30 +44,20 @@ def record(m: dict, prev_steps: float) -> dict:
 
 
 def run(config, overrides, steps: int, drafter_steps: int, out_dir: Path) -> dict:
-    from tlt.pipeline import Pipeline
-
-    pipes = {a: Pipeline(arm_config(config, overrides, a, steps, drafter_steps, out_dir)) for a in ARMS}
-    for p in pipes.values():
-        p.validate_data()
-        p.prepare()
-        p.warmstart()
     recs: dict[str, list[dict]] = {a: [] for a in ARMS}
     totals = {a: 0.0 for a in ARMS}
-    order = list(ARMS)
-    try:
-        for step in range(steps):
-            for a in order[step % len(order):] + order[: step % len(order)]:
-                s = pipes[a].rl_step(step)
-                recs[a].append(record(s.metrics, totals[a]))
-                totals[a] = s.metrics.get("drafter/steps", totals[a])
-                r = recs[a][-1]
-                print(f"step {step} {a:>10}: {r['step_s']:6.1f} s, rollout {r['rollout_s']:5.1f} s, drafter "
-                      f"{r['drafter_steps']:.0f} steps / {r['drafter_s']:.2f} s", flush=True)
-    finally:
+
+    def on_step(a, step, s):
+        recs[a].append(record(s.metrics, totals[a]))
+        totals[a] = s.metrics.get("drafter/steps", totals[a])
+        r = recs[a][-1]
+        print(f"step {step} {a:>10}: {r['step_s']:6.1f} s, rollout {r['rollout_s']:5.1f} s, drafter "
+              f"{r['drafter_steps']:.0f} steps / {r['drafter_s']:.2f} s", flush=True)
+
+    with harness.pipelines({a: arm_config(config, overrides, a, steps, drafter_steps, out_dir) for a in ARMS}) as pipes:
         for p in pipes.values():
-            p.close()
-    del pipes
-    gc.collect()
+            p.warmstart()
+        harness.interleave(pipes, steps, on_step)
     return recs
 
 
@@ -93,37 +79,22 @@ def summarize(recs: dict, steps: int, drafter_steps: int) -> dict:
 
 
 def print_table(res: dict) -> None:
-    print(f"\n{'schedule':>10} {'step s':>7} {'rollout s':>9} {'policy s':>8} {'drafter s':>9} {'steps/RL':>8} "
-          f"{'drafter %':>9} {'rollout x':>9} {'step x':>7}")
-    for a, r in res["arms"].items():
-        print(f"{a:>10} {r['step_s']:>7.1f} {r['rollout_s']:>9.1f} {r['update_policy_s']:>8.1f} {r['drafter_s']:>9.2f} "
-              f"{r['drafter_steps']:>8.1f} {100 * r['drafter_share_of_step']:>8.1f}% {r['rollout_slowdown_vs_none']:>9.2f} "
-              f"{r['step_slowdown_vs_none']:>7.2f}")
+    harness.print_table([{"arm": a, **r} for a, r in res["arms"].items()], {
+        "arm": ("schedule", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
+        "update_policy_s": ("policy s", ".1f"), "drafter_s": ("drafter s", ".2f"), "drafter_steps": ("steps/RL", ".1f"),
+        "drafter_share_of_step": ("drafter share", ".1%"), "rollout_slowdown_vs_none": ("rollout x", ".2f"),
+        "step_slowdown_vs_none": ("step x", ".2f")})
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--steps", type=int, default=3)
+    ap = harness.parser(__doc__, steps=3, out_dir=True)
     ap.add_argument("--drafter-steps", type=int, default=4, help="budget of the sequential arm per RL step")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="tlt-bench-schedules-"))
-    try:
+    with harness.workdir(args.out_dir, "tlt-bench-schedules-") as out_dir:
         res = summarize(run(args.config, args.overrides, args.steps, args.drafter_steps, out_dir), args.steps,
                         args.drafter_steps)
-        res["command"] = " ".join(["python bench/schedules.py", *(argv if argv is not None else sys.argv[1:])])
-    finally:
-        if args.out_dir is None:
-            shutil.rmtree(out_dir, ignore_errors=True)
     print_table(res)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+    return harness.write_result(res, "schedules", args, argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ listening port of this run outlives it. MLflow and Prefect state live in a temp 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -21,9 +20,11 @@ from pathlib import Path
 
 import psutil
 
-from tlt.tracking import metric_history
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+from tlt.tracking import metric_history  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 STEP_DONE = re.compile(r"Task run 'rl-step-(\d+)' - Finished")
 
 
@@ -104,12 +105,7 @@ class Watch:
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default="conf/smoke.yaml")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--json", dest="json_out")
-    return ap.parse_args(argv)
+    return harness.parser(__doc__, steps=100, config="conf/smoke.yaml").parse_args(argv)
 
 
 def _buffer_tokens(run_id: str | None, uri: str) -> float | None:
@@ -119,7 +115,7 @@ def _buffer_tokens(run_id: str | None, uri: str) -> float | None:
     return hist[-1][1] if hist else None
 
 
-def _result(w: Watch, rc: int, wall: float, buffer_tokens: float | None, tmp: Path) -> dict:
+def _result(w: Watch, rc: int, wall: float, buffer_tokens: float | None) -> dict:
     alive, still_listening = w.leftovers()
     steps = sorted(w.per_step)
     first = w.per_step.get(10) or (w.per_step[steps[0]] if steps else (0, 0))
@@ -133,7 +129,7 @@ def _result(w: Watch, rc: int, wall: float, buffer_tokens: float | None, tmp: Pa
             "rss_per_step_mib": {s: round(w.per_step[s][0] * mib, 1) for s in steps},
             "buffer_tokens": buffer_tokens, "processes_seen": len(w.seen_pids),
             "ports_seen": sorted(p for _, p in w.ports), "leaked_pids": alive,
-            "leaked_listening_ports": still_listening, "tmp": str(tmp)}
+            "leaked_listening_ports": still_listening}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -148,18 +144,16 @@ def main(argv: list[str] | None = None) -> dict:
                             start_new_session=True)
     watch = Watch(proc)
     rc, wall = watch.run()
-    r = _result(watch, rc, wall, _buffer_tokens(watch.run_id, env["MLFLOW_TRACKING_URI"]), tmp)
+    r = _result(watch, rc, wall, _buffer_tokens(watch.run_id, env["MLFLOW_TRACKING_URI"]))
     print(f"steps {r['steps_done']}/{args.steps} in {wall:.0f} s (rc {rc}); peak RSS {r['peak_rss_mib']} MiB "
           f"(with children {r['peak_rss_tree_mib']} MiB); RSS step 10 -> {max(r['rss_per_step_mib'], default='-')}: "
           f"{r['rss_step10_mib']} -> {r['rss_last_mib']} MiB ({r['rss_growth_10_to_last_mib']:+} MiB, "
           f"tree {r['rss_tree_growth_10_to_last_mib']:+} MiB); drafter buffer {r['buffer_tokens']} tokens; "
           f"leaked processes {r['leaked_pids'] or 'none'}; "
-          f"leaked listening ports {r['leaked_listening_ports'] or 'none'}")
+          f"leaked listening ports {r['leaked_listening_ports'] or 'none'}; MLflow and Prefect state in {tmp}")
     if rc != 0:
         print("".join(watch.tail), file=sys.stderr)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(r, indent=1))
+    r = harness.write_result(r, "soak", args, argv)
     try:  # whatever is left (it is reported above) must not outlive the bench
         os.killpg(proc.pid, 9)
     except ProcessLookupError:

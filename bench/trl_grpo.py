@@ -3,7 +3,8 @@
     .venv-trl/bin/python bench/trl_grpo.py ARGS.json      (written by bench/rl_step.py)
 
 Runs inside `.venv-trl` (TRL and its own transformers), so it imports nothing from tlt. CPU,
-fp32, transformers `generate` (no vLLM), prompts already chat-templated by tlt (`render_prompt`)
+at tlt's training precision (`bf16`: fp32 weights with the Trainer's bf16 autocast, as tlt's
+bf16-mixed; else fp32), transformers `generate` (no vLLM), prompts already chat-templated by tlt (`render_prompt`)
 and fed in tlt's sampler order (`shuffle_dataset=False`), one optimizer step = prompts x G
 completions. Reward: exact match of the last number of the completion with the answer (inline,
 a stand-in for tlt's reasoning-gym scorer on these one-number answers). Writes per-step
@@ -71,7 +72,7 @@ def main(path: str) -> None:
         gradient_accumulation_steps=a["gradient_accumulation_steps"], num_generations=a["num_generations"],
         max_completion_length=a["max_completion_length"], temperature=a["temperature"], top_p=a["top_p"], top_k=0,
         beta=a["beta"], epsilon=a["epsilon"], epsilon_high=a["epsilon_high"], loss_type="dapo",
-        scale_rewards="group", num_iterations=1, shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=False,
+        scale_rewards="group", num_iterations=1, shuffle_dataset=False, use_vllm=False, use_cpu=True, bf16=bool(a.get("bf16", False)),
         fp16=False, seed=a["seed"], logging_steps=1, save_strategy="no", report_to="none",
         dataloader_num_workers=0, disable_tqdm=True,
         gradient_checkpointing=False)  # TRL defaults it on; tlt does not recompute activations
@@ -88,7 +89,8 @@ def main(path: str) -> None:
            "completion_length_mean": [float(log.get("completions/mean_length", float("nan"))) for log in timer.logs],
            "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
                         "torch": torch.__version__},
-           "threads": torch.get_num_threads(), "reward": "exact match of the last number (inline)"}
+           "threads": torch.get_num_threads(), "bf16": bool(a.get("bf16", False)),
+           "reward": "exact match of the last number (inline)"}
     open(a["out_json"], "w").write(json.dumps(out, indent=2))
 
 

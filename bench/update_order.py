@@ -10,13 +10,14 @@ give the same parameters up to fp32 summation order (tests/test_update.py).
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import time
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 from tlt.config import load_config
 from tlt.data import load_dataset, prompt_ids
@@ -43,21 +44,16 @@ def timed_update(cfg, model, tensors, by_length: bool, seed: int) -> tuple[float
     adv = torch.randn(len(ids), generator=torch.Generator().manual_seed(seed))
     pb = PolicyBatch(ids[idx], attn[idx], resp[idx], None, adv[idx], position_ids=pos[idx])
     updater = make_updater(copy.deepcopy(model), cfg)
-    t0 = time.perf_counter()
-    updater.step(pb)
-    dt = time.perf_counter() - t0
+    _, dt = harness.timed(lambda: updater.step(pb))
     updater.close()
     return dt, padding_share(attn[idx].sum(1), cfg.trainer.micro_batch_size)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("config")
+    ap = harness.parser(__doc__)
     ap.add_argument("--prompts", type=int, default=None, help="default: rollout.prompts_per_step")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     model, tok = load_target(cfg.model)
@@ -74,12 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
            "response_lengths": sorted(map(len, responses)), "update_s": times, "padding_share": pad,
            "speedup": best["rollout_order"] / best["length_order"], "threads": torch.get_num_threads()}
     print(f"update: rollout order {best['rollout_order']:.1f} s (padding {pad['rollout_order']:.0%}) | "
-          f"length order {best['length_order']:.1f} s (padding {pad['length_order']:.0%}) | "
-          f"x{res['speedup']:.2f}")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(res, indent=2))
-    return res
+          f"length order {best['length_order']:.1f} s (padding {pad['length_order']:.0%}) | x{res['speedup']:.2f}")
+    return harness.write_result(res, "update_order", args, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ length instead (the tokens after EOS are text the drafter never trained on).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -20,11 +19,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 from tlt.config import load_config
 from tlt.data import load_dataset, prompt_ids
 from tlt.models import BUNDLED, bundled_smollm2_dir, load_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 CHECK = ROOT / "tlt" / "vllm_check.py"
 
 
@@ -75,11 +77,8 @@ def run_check(vllm_py: Path, target: Path, drafter: Path, prompts: list[list[int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config")
+    ap = harness.parser(__doc__)
     ap.add_argument("--drafter", required=True, help="EAGLE-3 export directory (tlt drafter warmstart --export)")
-    ap.add_argument("--json", dest="json_out")
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--prompts", type=int, default=None, help="first N held-out prompts (default: all)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -96,10 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{summary['response_tokens']} tokens: accept length {summary['accept_len']:.2f} "
           f"(per position {', '.join(f'{r:.2f}' for r in summary['accept_rate_per_pos'])}), "
           f"greedy identical: {'yes' if summary['greedy_identical'] else 'NO'}")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(summary, indent=2))
-    return summary
+    return harness.write_result(summary, "vllm_accept", args, argv)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,15 @@ the drafter changed (export + in-place reload), `rebuilds` must stay 0.
 """
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 from tlt.config import load_config
 from tlt.data import load_dataset, prompt_ids
@@ -114,13 +117,10 @@ def _setup(args):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("config")
-    ap.add_argument("--json", default=None)
+    ap = harness.parser(__doc__)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--fit-epochs", type=int, default=0)
     ap.add_argument("--fit-prompts", type=int, default=64)
-    ap.add_argument("--set", action="append", default=[], dest="overrides")
     args = ap.parse_args(argv)
     cfg, model, tok, eos, prompts, drafter = _setup(args)
     r = cfg.rollout
@@ -150,10 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         vllm.close()
     print(json.dumps(res, indent=1))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
-    return res
+    return harness.write_result(res, "vllm_rollout", args, argv)
 
 
 if __name__ == "__main__":

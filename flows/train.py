@@ -5,6 +5,7 @@ from prefect import flow
 
 from tasks import stages
 from tlt.config import RunConfig
+from tlt.errors import UserError
 
 
 def _eval_due(step: int, cfg: RunConfig) -> bool:
@@ -18,7 +19,11 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
     `resume`: an MLflow run id to continue from its last checkpoint. `retrain`: start from the
     registry's champion policy and drafter, promote the new drafter only if it accepts no less.
     """
-    run_id = stages.start_run(config, resume, retrain)
+    try:
+        run_id = stages.start_run(config, resume, retrain)
+    except UserError:  # a wrong id or path (tlt.inputs): a retry would fail the same way
+        stages.cancel_retries()
+        raise
     try:
         stages.validate_data(run_id)
         stages.prepare_models(run_id)

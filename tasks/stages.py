@@ -14,15 +14,25 @@ from prefect.runtime import deployment, flow_run
 
 from tlt.config import RunConfig
 from tlt.errors import UserError, exception_chain
+from tlt.inputs import check_run_inputs
 from tlt.export_run import export_checkpoint as export, resolve_checkpoint
 from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
 
 
-@task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def _retry_unless_user_error(task, task_run, state) -> bool:
+    """Retry an outage, never a bad input (it would fail the same way again)."""
+    exc = state.result(raise_on_failure=False)
+    return not (isinstance(exc, BaseException) and any(isinstance(e, UserError) for e in exception_chain(exc)))
+
+
+@task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=_retry_unless_user_error)
 def start_run(config: RunConfig, resume_run_id: str | None = None, retrain: bool = False) -> str:
-    """Open the MLflow run (a retried flow run, or --resume, continues its own run)."""
+    """Check every input (ids, paths, names: tlt.inputs), then open the MLflow run (a retried flow
+    run, or --resume, continues its own run)."""
+    resume_run_id = check_run_inputs(config, resume_run_id)
     fr = str(flow_run.id or "")
     resume_run_id = resume_run_id or find_run("prefect.flow_run_id", fr, config.tracking.experiment,
                                               config.tracking.tracking_uri)
@@ -121,7 +131,7 @@ def abort_run(run_id: str, exc: BaseException | None = None) -> None:
     resumes from the last checkpoint)."""
     close_pipeline(run_id, "FAILED")
     if _final(exc):
-        _cancel_retries()
+        cancel_retries()
 
 
 def _final(exc: BaseException | None) -> bool:
@@ -130,7 +140,8 @@ def _final(exc: BaseException | None) -> bool:
     return any(isinstance(e, UserError) or not isinstance(e, Exception) for e in exception_chain(exc))
 
 
-def _cancel_retries() -> None:
+def cancel_retries() -> None:
+    """No further attempt of this flow run (it would fail the same way)."""
     if flow_run.id is None:
         return
     try:

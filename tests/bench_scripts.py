@@ -8,8 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_bench(name: str):
-    """bench/<name>.py as a module named bench_<name>."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """bench/<name>.py as a module named bench_<name> (bench/harness.py's loader, so a suite and its
+    test share one module object)."""
+    spec = importlib.util.spec_from_file_location("bench_harness_loader", ROOT / "bench" / "harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    return harness.load(name)

@@ -40,3 +40,16 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu skip on a machine without a CUDA device (make test-gpu selects them)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device (make test-gpu on a GPU machine)")
+        for item in gpu_items:
+            item.add_marker(skip)

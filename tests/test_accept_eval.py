@@ -42,6 +42,7 @@ def _prompts(tok, n):
             for a, b in zip(range(1, n + 1), range(n, 0, -1))]
 
 
+@pytest.mark.slow
 def test_teacher_forced_equals_measure_accept(smollm):
     """Greedy, chain4: the replayed rounds give the engine's accept length on the same prompts (the
     drafter is fitted on these very responses, so it accepts far more than 1 token per pass)."""

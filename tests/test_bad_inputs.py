@@ -3,6 +3,9 @@ one paragraph that names it and the fix, never a traceback. Data-file cases live
 """
 from __future__ import annotations
 
+import sqlite3
+from pathlib import Path
+
 import pytest
 
 from cli_runs import ROOT, cli_env, prefect_api_url, run_tlt
@@ -47,6 +50,8 @@ def test_bad_reward_function(prefect_api, tmp_path, reward_module, fn, words):
     ("", ["rollout.top_p=1.5"], ["rollout.top_p", "1.5"]),
     ("", ["drafter.buffer_steps=0"], ["drafter.buffer_steps"]),
     ("model: [1, 2]\n", [], ["model"]),
+    ("", ["cluster.address=localhost"], ["cluster.address", "localhost", "ray://HOST:PORT"]),
+    ("", ["drafter.spot=false"], ["drafter.spot", "drafter.where: sequential"]),
 ])
 def test_bad_config(tmp_path, yaml_text, sets, words):
     cfg = tmp_path / "bad.yaml"
@@ -55,6 +60,7 @@ def test_bad_config(tmp_path, yaml_text, sets, words):
     _refused(proc, *words)
 
 
+@pytest.mark.slow
 def test_export_into_non_empty_dir_refused_before_training(prefect_api, tmp_path):
     out = tmp_path / "served"
     out.mkdir()
@@ -78,3 +84,78 @@ def test_drafter_for_another_target_refused(tmp_path, hidden, vocab, words):
     proc = run_tlt(["bench", "rollout", "conf/smoke.yaml", "--drafter", str(tmp_path / "drafter")], cli_env(tmp_path),
                    timeout=120)
     _refused(proc, *words)
+
+
+def _runs_in_store(tmp_path) -> int:
+    db = tmp_path / "mlflow.db"
+    if not db.exists():
+        return 0
+    with sqlite3.connect(db) as con:
+        return con.execute("SELECT count(*) FROM runs").fetchone()[0]
+
+
+def _bad_args(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """{case: (tlt args, words the error must hold)}: a wrong id or path for every command."""
+    empty, full, ckpt_root = tmp / "empty", tmp / "full", tmp / "runs"
+    empty.mkdir()
+    full.mkdir()
+    (full / "config.json").write_text("{}")
+    (tmp / "blank.jsonl").write_text("")
+    run = [*SMOKE, "--set", f"trainer.checkpoint_dir={ckpt_root}"]
+    return {
+        "run-resume": ([*run, "--resume", "deadbeef"], ["--resume 'deadbeef'", "tlt compare --experiment"]),
+        "run-model-missing": ([*run, "--set", f"model.name_or_path={tmp / 'nope'}"], [str(tmp / "nope"), "not found"]),
+        "run-model-empty": ([*run, "--set", f"model.name_or_path={empty}"], [str(empty), "config.json"]),
+        "run-data-missing": ([*run, "--set", f"data.path={tmp / 'x.jsonl'}"], [str(tmp / "x.jsonl"), "not found"]),
+        "run-data-empty": ([*run, "--set", f"data.path={tmp / 'blank.jsonl'}"], ["blank.jsonl", "empty"]),
+        "run-export-target": ([*run, "--set", f"export.out_dir={full}"], [str(full), "not empty"]),
+        "run-reward": ([*run, "--set", "rl.reward=nosuchmodule:fn"], ["nosuchmodule:fn", "importable"]),
+        "export-run": (["export", "--run", "nosuchrun", "--out", str(tmp / "o")], ["--run 'nosuchrun'", "tlt compare"]),
+        "export-checkpoint": (["export", "--checkpoint", str(tmp / "nock"), "--out", str(tmp / "o")],
+                              ["--checkpoint", "nock", "step-NNNNNN"]),
+        "export-out": (["export", "--checkpoint", str(empty), "--out", str(full)], ["--out", str(full), "--force"]),
+        "compare": (["compare", "nosuchrun"], ["'nosuchrun'", "tlt compare --experiment"]),
+        "compare-out": (["compare", "--experiment", "tlt", "--out", str(tmp / "no" / "c.png")], ["no/c.png", "exist"]),
+        "data-validate": (["data", "validate", str(tmp / "x.jsonl")], [str(tmp / "x.jsonl"), "not found"]),
+        "warmstart-model": (["drafter", "warmstart", "conf/smoke.yaml", "--set", f"model.name_or_path={empty}"],
+                            [str(empty), "config.json"]),
+        "warmstart-export": (["drafter", "warmstart", "conf/smoke.yaml", "--export", str(full)], ["--export", "--force"]),
+        "deploy": (["deploy", "conf/smoke.yaml", "--set", f"data.path={tmp / 'x.jsonl'}"], ["x.jsonl", "not found"]),
+        "serve": (["serve", "conf/smoke.yaml", "--set", f"model.name_or_path={tmp / 'nope'}"], ["nope", "not found"]),
+        "bench-rollout": (["bench", "rollout", "conf/smoke.yaml", "--drafter", str(empty)], ["--drafter", "config.json"]),
+    }
+
+
+CASES = ["run-resume", "run-model-missing", "run-model-empty", "run-data-missing", "run-data-empty",
+         "run-export-target", "run-reward", "export-run", "export-checkpoint", "export-out", "compare", "compare-out",
+         "data-validate", "warmstart-model", "warmstart-export", "deploy", "serve", "bench-rollout"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_wrong_id_or_path_refused_before_anything_starts(tmp_path, case):
+    """Exit 2 naming the value, no traceback, no MLflow run and no run folder: nothing started."""
+    cases = _bad_args(tmp_path)
+    assert sorted(cases) == sorted(CASES)
+    args, words = cases[case]
+    proc = run_tlt(args, cli_env(tmp_path), timeout=120)
+    _refused(proc, *words)
+    assert _runs_in_store(tmp_path) == 0
+    assert not (tmp_path / "runs").exists()
+    assert not (tmp_path / "prefect").exists()  # no Prefect server or client started
+
+
+def test_resume_with_other_settings_refused_before_anything_starts(tmp_path):
+    """A run resumed with a changed config: exit 2 naming the key, both values and the run's own
+    config.yaml; the store keeps its one run, unchanged."""
+    from tlt.config import TrackingConfig, flatten, load_config
+    from tlt.precision import resolve_run
+    from tlt.tracking import make_tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = make_tracker(TrackingConfig(tracking_uri=uri, system_metrics=False), run_name="smoke")
+    tracker.log_params(flatten(resolve_run(load_config(ROOT / "conf" / "smoke.yaml"))[0]))
+    tracker.end()
+    args = [*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--resume", tracker.run_id[:8]]
+    proc = run_tlt([*args, "--set", "rl.steps=9"], cli_env(tmp_path), timeout=120)
+    _refused(proc, tracker.run_id, "rl.steps: 2 -> 9", "config.yaml", "without --resume")
+    assert _runs_in_store(tmp_path) == 1 and not (tmp_path / "runs").exists()

@@ -2,12 +2,15 @@
 is a valid EAGLE-3 directory for the same target; a non-empty export dir is refused (exit 2)."""
 import json
 
+import pytest
+
 from cli_runs import ROOT, cli_env, run_tlt
 from tlt.config import load_config
 from tlt.export import check_export
 from tlt.models import load_target
 
 
+@pytest.mark.slow
 def test_warmstart_cli_exports_a_loadable_drafter(tmp_path):
     out = tmp_path / "drafter"
     args = ["drafter", "warmstart", "conf/smoke.yaml", "--export", str(out),

@@ -77,10 +77,12 @@ def test_flatten_has_every_leaf():
     assert "rollout.strategy.depth" in flat
 
 
-def test_readme_config_reference_in_sync():
-    """The README holds the generated reference; regenerate with `tlt config reference`."""
-    readme = (ROOT / "README.md").read_text()
-    assert reference_markdown() in readme, "README config reference is stale: paste `tlt config reference`"
+def test_docs_config_reference_in_sync():
+    """docs/configuration.md holds the generated reference; regenerate with
+    `tlt config reference --readme docs/configuration.md`."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert reference_markdown() in page, ("docs/configuration.md config reference is stale: run "
+                                          "`tlt config reference --readme docs/configuration.md`")
 
 
 def _cli(*args):

@@ -105,8 +105,9 @@ def _exact_joint(model, prompt, temperature, top_p, n_tokens=2):
     return {tuple(s): float(q) for s, q in zip(seqs, probs)}
 
 
-@pytest.mark.parametrize("kind,strategy,top_p,dtype", [
-    ("ngram", CHAIN, 1.0, "float32"), ("ngram", SpecStrategy(depth=3, topk=3, tokens=6), 0.9, "float32"),
+@pytest.mark.parametrize("kind,strategy,top_p,dtype", [  # the n-gram cases take ~20-30 s each: slow tier
+    pytest.param("ngram", CHAIN, 1.0, "float32", marks=pytest.mark.slow),
+    pytest.param("ngram", SpecStrategy(depth=3, topk=3, tokens=6), 0.9, "float32", marks=pytest.mark.slow),
     ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0, "float32"),
     ("eagle-pruned", SpecStrategy(depth=3, topk=2, tokens=6), 1.0, "float32"),
     ("eagle", SpecStrategy(depth=2, topk=2, tokens=4), 1.0, "bfloat16")])

@@ -84,3 +84,34 @@ def test_useless_drafter_trips_the_guard_on_the_torch_engine(target):
         drafter.lm_head.weight.copy_(target.lm_head.weight)
     again = eng.generate(prompts)
     assert again.stats.spec_row_passes > 0 and again.response_ids == outs[0].response_ids
+
+
+def test_torch_engine_probes_its_drafter_copy(target, monkeypatch):
+    """rollout.dtype bfloat16: the engine drafts with a bf16 copy of the fp32 drafter; the copy passes
+    the probe at start and after a refresh, and a refresh that lost a weight raises."""
+    from tlt.rollout import weights
+
+    drafter = _useless_drafter(target)
+    torch.nn.init.normal_(drafter.lm_head.weight, std=0.05)
+    cfg = RolloutConfig(max_new_tokens=4, temperature=0.0, spec_threshold=100, tuner=False, drafter="eagle",
+                        dtype="bfloat16", strategy=SpecStrategy(depth=2, topk=1, tokens=2))
+    eng = RolloutEngine(target, cfg, eos_ids=[], pad_id=0, drafter=drafter)
+    assert eng.drafter is not drafter and 0 < eng.probe_metrics["spec/probe_error"] < 5e-2
+    with torch.no_grad():
+        drafter.midlayer.mlp.down_proj.weight.mul_(1.5)  # a refresh
+    eng.generate([[5, 6, 7]])
+    assert 0 < eng.probe_metrics["spec/probe_error"] < 5e-2
+    real = weights.RolloutCopy.refresh
+
+    def lossy(self, master):  # rounds everything but the MLP's down projection into the copy
+        changed = real(self, master)
+        if master is drafter:  # (the policy's copy refreshes through here too)
+            with torch.no_grad():
+                self.module.midlayer.mlp.down_proj.weight.zero_()
+        return changed
+
+    monkeypatch.setattr(weights.RolloutCopy, "refresh", lossy)
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(0.01)
+    with pytest.raises(DrafterMismatch, match="torch engine's drafter copy"):
+        eng.generate([[5, 6, 7]])

@@ -144,7 +144,7 @@ def test_outage_over_the_end_of_a_run(server, tmp_path, prefect_api):
     port, procs, restart = server
     uri = f"http://127.0.0.1:{port}"
     env = cli_env(tmp_path, prefect_api_url(), MLFLOW_TRACKING_URI=uri)
-    args = ["run", "conf/smoke.yaml", "--set", "tracking.flush_timeout_s=3", "--set", "drafter.spot=false",
+    args = ["run", "conf/smoke.yaml", "--set", "tracking.flush_timeout_s=3", "--set", "drafter.where=sequential",
             "--set", "rollout.tuner=false", "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}"]
     proc = subprocess.Popen([TLT, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

@@ -24,14 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cli_runs import ROOT, TLT, cli_env, prefect_api_url, run_tlt
 
 
 STEPS = 3
 ARGS = ["run", "conf/smoke.yaml", "--set", f"rl.steps={STEPS}", "--set", "rollout.tuner=false",
-        "--set", "drafter.spot=false", "--set", "eval.every=2", "--set", "tracking.samples_every=0",
+        "--set", "drafter.where=sequential", "--set", "eval.every=2", "--set", "tracking.samples_every=0",
         "--set", "export.enabled=false"]
 
 
@@ -60,11 +59,13 @@ def _complete(ckpts: Path) -> list[str]:
 
 
 def _final_weights(ckpts: Path) -> dict[str, torch.Tensor]:
-    last = ckpts / f"step-{STEPS - 1:06d}"
-    out = {}
-    for group in ("policy", "drafter", "buffer"):
-        out |= {f"{group}.{k}": v for k, v in load_file(str(last / f"{group}.safetensors")).items()}
-    return out
+    """Policy and drafter weights, and the drafter refresher's buffer and RNG, of the last checkpoint."""
+    from tlt.checkpoint import load_checkpoint, load_pt
+
+    tensors, _, pts = load_checkpoint(ckpts / f"step-{STEPS - 1:06d}")
+    refresher = load_pt(pts["refresher"])
+    out = {f"{group}.{k}": v for group in ("policy", "drafter") for k, v in tensors[group].items()}
+    return out | {f"buffer.{k}": v for k, v in refresher["buffer"].items()} | {"refresher.rng": refresher["rng"]}
 
 
 def _expect_kill(proc: subprocess.CompletedProcess, what: str) -> None:

@@ -16,6 +16,8 @@ from tlt.pipeline import Pipeline
 from tlt.summaries import ExportSummary
 from tlt.tracking import MlflowTracker, champion, set_champion
 
+pytestmark = pytest.mark.slow  # MLflow registry runs: seconds each
+
 NAME = "tlt-drafter"
 
 

@@ -1,4 +1,5 @@
 """Speculative decoding invariants: greedy identity, exact sampling distribution, bookkeeping."""
+import copy
 import math
 
 import pytest
@@ -104,16 +105,34 @@ def test_greedy_identical_eagle(models, trained_drafter, strategy, min_prob):
 @pytest.mark.parametrize("strategy", [CHAIN, TREE])
 def test_greedy_identical_in_a_bf16_rollout(models, trained_drafter, strategy):
     """Lossless relative to the rollout's own dtype: a bf16 rollout copy (rollout.dtype) decodes the
-    same greedy tokens with SD on and off; the fp32 drafter reads the bf16 target's features."""
+    same greedy tokens with SD on and off; the drafter drafts from a bf16 copy of its fp32 master."""
     model = models["llama"]
     prompts = _prompts(12, 64, seed=3)
     eos = (_common_token(model, prompts),)
     plain = _engine(model, eos=eos, dtype="bfloat16").generate(prompts, spec=False)
     eng = _engine(model, trained_drafter, eos=eos, spec_threshold=100, strategy=strategy, dtype="bfloat16")
     assert next(eng.model.parameters()).dtype == torch.bfloat16
+    assert next(eng.drafter.parameters()).dtype == torch.bfloat16 and eng.drafter_master is trained_drafter
+    assert next(trained_drafter.parameters()).dtype == torch.float32  # the master the refreshers train
     sd = eng.generate(prompts, spec=True)
     assert sd.response_ids == plain.response_ids
     assert sum(sd.accepted) > 0 and all(a <= d for a, d in zip(sd.accepted, sd.drafted))
+
+
+def test_bf16_drafter_copy_follows_its_master(models, trained_drafter):
+    """A refresh writes the fp32 master; the next rollout drafts with those weights rounded to bf16
+    (a stale copy would keep drafting with the old drafter: the silent loss the copy must not add)."""
+    model, master = models["llama"], copy.deepcopy(trained_drafter)
+    eng = _engine(model, master, spec_threshold=100, strategy=CHAIN, dtype="bfloat16")
+    prompts = _prompts(4, 64, seed=9)
+    before = sum(eng.generate(prompts, spec=True).accepted)
+    with torch.no_grad():
+        for p in master.midlayer.parameters():
+            p.mul_(-1.0)  # a different drafter, same shapes
+    eng.generate(prompts, spec=True)
+    for name, t in eng.drafter.state_dict().items():
+        assert torch.equal(t, master.state_dict()[name].to(t.dtype)), name
+    assert before > 0
 
 
 def test_confidence_pruning_verifies_fewer_tokens(models, trained_drafter):

@@ -9,7 +9,9 @@ from tlt.drafter.model import build_drafter
 from tlt.drafter.spot import SpotTrainer
 from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
+from tlt.drafter.schedule import RefreshSchedule
 from tlt.rl.logprobs import forward_logprobs, make_batch
+from test_schedule import CASES, steps_trained
 
 
 def add_rollouts(spot, target, responses: list[list[int]]) -> None:
@@ -48,34 +50,19 @@ def test_spot_trainer_is_a_refresher_whose_tail_hook_starts_it(setup):
     assert spot.after_rollout()["drafter/spot_steps"] == 0.0  # the hook was never called
 
 
-def _tails_trained(spot, accept_lens: list[float | None]) -> list[bool]:
-    """RL steps 0..N-1 as the step drives the spot trainer: before_rollout's hook is the tail,
-    after_update reports that rollout's accept length. Which tails trained?"""
-    trained = []
-    for step, accept in enumerate(accept_lens):
-        hook = spot.before_rollout(step)
-        if hook is not None:
-            hook(1)
-        trained.append(spot.after_rollout()["drafter/spot_steps"] > 0)
-        spot.after_update(step, accept)
-    return trained
-
-
-@pytest.mark.parametrize("update, accepts, want", [
-    ({"refresh_every": 2}, [None] * 4, [False, True, False, True]),
-    ({"refresh_every": 0}, [1.0] * 3, [False, False, False]),  # frozen
-    ({"refresh_every": 0, "refresh_below_accept_len": 2.0}, [2.5, 1.5, 2.4, 1.0], [False, False, True, False]),
-])
-def test_the_schedule_decides_which_tails_train(setup, update, accepts, want):
-    """refresh_every / refresh_below_accept_len mean the same under the spot trainer as under the
-    sequential refresher (tlt.drafter.refresh.refresh_due): counted per tail."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_schedule_decides_which_tails_train(setup, case):
+    """drafter.schedule means the same under the spot trainer as under the sequential refresher
+    (test_schedule.py): counted per tail; below_accept trains in the tail after the low rollout."""
     _, _, spot = setup
-    cfg = spot.cfg
-    spot.cfg, spot.last_accept = cfg.model_copy(update=update), None
+    keys, accepts, want, _ = CASES[case]
+    cfg, sched = spot.cfg, spot.schedule
+    spot.cfg = cfg.model_copy(update=keys)
+    spot.schedule = RefreshSchedule(spot.cfg)
     try:
-        assert _tails_trained(spot, accepts) == want
+        assert steps_trained(spot, accepts) == want
     finally:
-        spot.cfg, spot.last_accept = cfg, None
+        spot.cfg, spot.schedule = cfg, sched
 
 
 def test_trains_until_finish_and_loads_weights(setup):

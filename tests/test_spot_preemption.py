@@ -50,6 +50,7 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_killed_at_random_points_resumes_from_last_checkpoint(spot):
     rng = random.Random(0)
     for round_ in range(1, 3):

@@ -41,6 +41,7 @@ def test_bugs_are_not_transient(err):
     assert not is_transient(err)
 
 
+@pytest.mark.slow  # starts an MLflow server
 def test_a_type_error_in_a_log_call_raises(mlflow_uri, tmp_path, monkeypatch):
     tracker = MlflowTracker("errors", uri=mlflow_uri, spool_dir=tmp_path / "spool")
 
@@ -55,6 +56,7 @@ def test_a_type_error_in_a_log_call_raises(mlflow_uri, tmp_path, monkeypatch):
     assert not tracker.spool.exists()  # nothing was hidden in the spool
 
 
+@pytest.mark.slow  # starts an MLflow server
 def test_a_stopped_server_spools(mlflow_uri, tmp_path, monkeypatch):
     """The store's address answers nothing (a server that was stopped): MLflow's real client error
     counts as an outage, the calls are spooled, `end()` reports them unsent; a sync sends them."""
@@ -78,6 +80,7 @@ def test_a_stopped_server_spools(mlflow_uri, tmp_path, monkeypatch):
     assert [(m.step, m.value) for m in store.get_metric_history(tracker.run_id, "loss")] == [(1, 1.0), (2, 2.0)]
 
 
+@pytest.mark.slow  # starts an MLflow server
 def test_end_retries_until_flush_timeout(mlflow_uri, tmp_path, monkeypatch):
     """`end()` keeps trying for `flush_timeout_s` (with backoff), then gives up."""
     import time
@@ -94,6 +97,7 @@ def test_end_retries_until_flush_timeout(mlflow_uri, tmp_path, monkeypatch):
     assert 2.5 <= took < 10 and len(attempts) >= 3, (took, len(attempts))  # tries at 0, 1, 3 s (deadline 2.5)
 
 
+@pytest.mark.slow  # starts an MLflow server
 def test_sync_command_and_the_quiet_sync_of_tlt_run(mlflow_uri, tmp_path, monkeypatch, capsys):
     """`tlt tracking sync` exits 3 while the store is down (the spool kept), 0 once it is sent; the
     quiet sync that `tlt run` starts with says nothing when no spool is pending."""
@@ -117,6 +121,7 @@ def test_sync_command_and_the_quiet_sync_of_tlt_run(mlflow_uri, tmp_path, monkey
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow  # starts an MLflow server
 def test_a_tracker_does_not_export_its_uri(tmp_path, monkeypatch):
     """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI, which would win over every URI configured
     later in the process (the next test's store): the tracker keeps the environment as it was."""

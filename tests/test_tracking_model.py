@@ -3,9 +3,12 @@ experiment, a link to the run in the UI's training view, and an exported folder 
 logged model, registered as a version whose artifacts are that folder."""
 from __future__ import annotations
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tlt.tracking import MlflowTracker, champion, download, read_run, run_link, set_champion
+
+pytestmark = pytest.mark.slow  # MLflow registry runs: seconds each
 
 
 def test_experiment_is_tagged_as_model_training(mlflow_uri, tmp_path):

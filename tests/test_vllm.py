@@ -181,7 +181,7 @@ def test_vllm_full_vocab_drafter_loads(tmp_path):
 def test_bench_vllm_accept_end_to_end(tmp_path):
     """bench/vllm_accept.py: recipe's held-out prompts -> vLLM -> accept length and the greedy check.
 
-    An untrained drafter (loading and counting only; the SmolLM2 figures are in the README).
+    An untrained drafter (loading and counting only; the SmolLM2 figures come from tlt bench vllm_accept).
     """
     from bench_scripts import load_bench
 

@@ -74,6 +74,7 @@ def test_rebound_parameters_are_copied_by_sync(setup):
         pool.sync()
 
 
+@pytest.mark.slow
 def test_drafter_updates_reach_workers(setup):
     _, drafter, local, pool = setup
     with torch.no_grad():
@@ -99,6 +100,7 @@ def test_merge_of_empty_stats_and_offsets():
     assert m.stats.time_s == 1.0 and m.stats.tail_time_s == pytest.approx(0.2)
 
 
+@pytest.mark.slow
 def test_workers_exit_on_close():
     model = tiny_model("llama", layers=2, hidden=128, vocab=64, seed=1)
     pool = WorkerPool(model, RolloutConfig(max_new_tokens=4, tuner=True), [2], 0, n_workers=2, threads=1)

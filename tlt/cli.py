@@ -22,6 +22,7 @@ from rich.console import Console
 from tlt import tracking
 from tlt.config import dump_yaml, load_config, reference_markdown
 from tlt.errors import UserError, exception_chain
+from tlt.inputs import check_data_file, check_empty_target, check_run_inputs, resolve_run_id
 from tlt.services import run_uis
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="TLT: RL with speculative rollout and an adaptive drafter.")
@@ -84,10 +85,12 @@ def config_reference(readme: Optional[Path] = typer.Option(None, help="Rewrite t
 def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="Recipe whose model tokenizer and limits apply"),
                   set_: Optional[list[str]] = SetOpt) -> None:
     """List every bad row (row, column, reason) and exit 2; or print a one-line summary."""
+    check_data_file(path)
+    cfg = _load(config, set_)
+    check_run_inputs(cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": None})}))
     from tlt.data import validate_file  # deferred: pandas, reasoning-gym
     from tlt.models import load_tokenizer  # deferred: torch, transformers
 
-    cfg = _load(config, set_)
     report = validate_file(path, tokenizer=load_tokenizer(cfg.model), max_prompt_tokens=cfg.data.max_prompt_tokens,
                            instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
     if report.bad:
@@ -125,10 +128,11 @@ def _terminate_cleanly() -> None:
 
 @app.command("run")
 def run(config: Path, set_: Optional[list[str]] = SetOpt,
-        resume: Optional[str] = typer.Option(None, help="MLflow run id (or checkpoint dir) to continue")) -> None:
+        resume: Optional[str] = typer.Option(None, help="MLflow run id (or a unique prefix) to continue")) -> None:
     """Run the tlt-train flow on CONFIG."""
     cfg = _load(config, set_)
     _env_defaults()
+    resume = check_run_inputs(cfg, resume)  # before Prefect, MLflow, workers or Ray start
     train = importlib.import_module("flows.train")
     _no_user_error_tracebacks()
     _terminate_cleanly()
@@ -203,8 +207,12 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
     from tlt.export import export_eagle3  # deferred: torch
     from tlt.pipeline import Pipeline  # deferred: torch, transformers
 
+    cfg = _load(config, set_)
     _env_defaults()
-    pipe = Pipeline(_load(config, set_))
+    check_run_inputs(cfg)
+    if export is not None and not force:
+        check_empty_target(export, "--export", "pass --force to replace it")
+    pipe = Pipeline(cfg)
     try:
         pipe.validate_data()
         pipe.prepare()
@@ -220,15 +228,43 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
         pipe.close()
 
 
-@bench_app.command("rollout")
-def bench_rollout(config: Path, json_out: Optional[Path] = typer.Option(None, "--json"),
-                  set_: Optional[list[str]] = SetOpt,
-                  drafter: Optional[Path] = typer.Option(None, help="EAGLE-3 export dir (default: n-gram drafter)")) -> None:
-    """Engine with vs without SD vs HF generate; prints a table, writes JSON."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    bench = importlib.import_module("bench.rollout")
-    bench.main([str(config), *(["--json", str(json_out)] if json_out else []), *(["--drafter", str(drafter)] if drafter else []),
-                *sum((["--set", s] for s in set_ or []), [])])
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+BENCH_HELPERS = {"harness", "render", "adaptive_arms", "trl_grpo"}  # bench/ modules that are not suites
+
+
+def bench_suites() -> dict[str, str]:
+    """Suite name -> its one-line description: every bench/*.py with a main(), helpers excepted."""
+    import ast
+
+    out = {}
+    for path in sorted(BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []:
+        if path.stem in BENCH_HELPERS:
+            continue
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            out[path.stem] = (ast.get_docstring(tree) or "").strip().splitlines()[0] if ast.get_docstring(tree) else ""
+    return out
+
+
+@bench_app.command("list")
+def bench_list() -> None:
+    """The benchmark suites; run one with `tlt bench SUITE CONFIG ...` (`tlt bench SUITE --help` lists its options)."""
+    for name, doc in bench_suites().items():
+        out.print(f"{name:<14} {doc}", highlight=False, markup=False)
+
+
+def _bench_command(name: str):
+    def command(ctx: typer.Context) -> None:
+        _env_defaults()
+        sys.path.insert(0, str(BENCH_DIR))
+        harness = importlib.import_module("harness")  # deferred: numpy, and the suites pull in torch
+        harness.load(name).main(list(ctx.args))
+    return command
+
+
+for _name, _doc in bench_suites().items():  # `tlt bench SUITE ARGS...` passes ARGS to bench/SUITE.py's parser
+    bench_app.command(_name, help=f"{_doc} (options: tlt bench {_name} --help)", add_help_option=False,
+                      context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_bench_command(_name))
 
 
 @app.command("export")
@@ -238,14 +274,20 @@ def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id 
            force: bool = typer.Option(False, "--force", help="Replace a non-empty --out directory"),
            register: bool = typer.Option(True, help="Log to MLflow and register a version of tlt-drafter (with --run)")) -> None:
     """Write the drafter of a run as an EAGLE-3 directory that vLLM and SGLang load."""
-    from tlt.export_run import export_checkpoint, resolve_checkpoint  # deferred: torch, transformers
-
     t0 = time.perf_counter()
     root = "runs"
+    if not force:
+        check_empty_target(out_dir, "--out", "pass --force to replace it")
+    if checkpoint is not None and not checkpoint.is_dir():
+        raise UserError(f"--checkpoint '{checkpoint}' is not a folder; pass a run folder (runs/<run id>) or one of "
+                        "its checkpoints (runs/<run id>/checkpoints/step-NNNNNN)")
     if run:
+        run = resolve_run_id(run, flag="--run")
         if msg := tracking.unsent_warning(run):
             err.print(f"warning: {msg}", markup=False, highlight=False)
         root = tracking.read_run(run)["params"].get("trainer.checkpoint_dir", root)
+    from tlt.export_run import export_checkpoint, resolve_checkpoint  # deferred: torch, transformers
+
     ckpt = resolve_checkpoint(run, checkpoint, root)
     path, cfg = export_checkpoint(ckpt, out_dir, force=force)
     out.print(f"exported {ckpt} -> {path} in {time.perf_counter() - t0:.1f} s")
@@ -266,6 +308,9 @@ def compare(run_ids: Optional[list[str]] = typer.Argument(None),
     """Compare runs: accept length, tokens/s, SD speedup, accuracy, reward, step time, drafter share."""
     from tlt.compare import compare_command  # deferred: matplotlib, pandas
 
+    if out_png is not None and not out_png.parent.is_dir():
+        raise UserError(f"--out '{out_png}': the folder '{out_png.parent}' does not exist; create it or choose "
+                        "another path")
     print(compare_command(run_ids or [], experiment=experiment, out=out_png))
 
 
@@ -274,6 +319,7 @@ def deploy(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Optio
     """Register tlt-train/manual and tlt-train/retrain (cron from deploy.cron) with the Prefect API."""
     cfg = _load(config, set_)
     _env_defaults()
+    check_run_inputs(cfg)
     ids = importlib.import_module("flows.deploy").apply_deployments(cfg)
     out.print(f"registered tlt-train/manual and tlt-train/retrain (cron '{cfg.deploy.cron}'): {', '.join(ids)}")
     out.print("run them with: tlt serve " + str(config))
@@ -285,6 +331,7 @@ def serve(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Option
     """Serve the deployments: runs triggered from the UI or by the schedule execute here."""
     cfg = _load(config, set_)
     _env_defaults()
+    check_run_inputs(cfg)
     importlib.import_module("flows.deploy").serve_deployments(cfg, limit=limit)
 
 

@@ -1,7 +1,7 @@
 """`tlt compare`: runs side by side, as a table and a grid of curves.
 
 Reads MLflow through `tlt.tracking` only. Every number is computed from the stepped metric
-histories with the project's metric names (README: What a run produces), so runs of any recipe compare; a metric a run never logged
+histories with the project's metric names (docs/tracking.md: What a run produces), so runs of any recipe compare; a metric a run never logged
 is NaN in the table and no line in the plot, never an error.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rich.table import Table
 
 from tlt import tracking
 from tlt.errors import UserError
+from tlt.inputs import resolve_run_id
 from tlt.plots import axis_label, draw_curves, new_figure
 
 SHORT = 8  # characters of a run id shown in tables and legends
@@ -69,17 +70,7 @@ def summarize(hist: dict[str, list[tuple[int, float]]]) -> dict[str, float | int
 
 def resolve_run_ids(run_ids: list[str], uri: str | None = None) -> list[str]:
     """Full run ids for ids or unique id prefixes; UserError naming the first unknown or ambiguous one."""
-    full = []
-    for rid in run_ids:
-        matches = tracking.match_run_ids(rid, uri)
-        if not matches:
-            raise UserError(f"no MLflow run with id '{rid}' in {tracking.default_tracking_uri(uri)}. "
-                            "List runs with `tlt compare --experiment NAME`, or open `make ui`.")
-        if len(matches) > 1:
-            raise UserError(f"run id prefix '{rid}' matches {len(matches)} runs "
-                            f"({', '.join(m[:SHORT] for m in matches[:5])}...); give more characters.")
-        full.append(matches[0])
-    return list(dict.fromkeys(full))  # de-duplicated, order kept
+    return list(dict.fromkeys(resolve_run_id(rid, uri) for rid in run_ids))  # de-duplicated, order kept
 
 
 def experiment_run_ids(experiment: str, uri: str | None = None, max_runs: int | None = None) -> list[str]:

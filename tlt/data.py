@@ -21,19 +21,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from tlt.errors import UserError
 from tlt.config import DataConfig, GeneratorSpec
+from tlt.inputs import DataError, check_data_file
 from tlt.schemas import CUSTOM_TASK, PROMPT_COLUMNS, RAW_TYPES, BadRow, PromptSchema, failures, is_missing
 
 MAX_LISTED = 20  # malformed lines listed in a DataError before "... and N more"
-
-
-class DataError(UserError):
-    """A data problem phrased for the user (what, where, how to fix); `bad` lists rows if any."""
-
-    def __init__(self, message: str, bad: Sequence[BadRow] = ()):
-        super().__init__(message)
-        self.bad = list(bad)
 
 
 @dataclass
@@ -85,17 +77,9 @@ def read_rows(path: str | Path) -> pd.DataFrame:
     The frame keeps Python values (dtype object) so that validation sees what the file holds:
     a number where a string belongs is reported, not silently stringified.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"data file '{p}' not found; set data.path to an existing .jsonl/.json/.parquet "
-                        "file, or leave it unset to use data.generators")
+    p = check_data_file(path)
     readers = {".jsonl": _read_json, ".json": _read_json, ".parquet": _read_parquet}
-    reader = readers.get(p.suffix.lower())
-    if reader is None:
-        raise DataError(f"data file '{p}' has unsupported extension '{p.suffix}'; use .jsonl, .json or .parquet")
-    if p.stat().st_size == 0:
-        raise DataError(f"data file '{p}' is empty (0 bytes); add one JSON object per line with prompt and answer")
-    rows, records = reader(p)
+    rows, records = readers[p.suffix.lower()](p)
     if not records:
         raise DataError(f"data file '{p}' holds no rows; add one JSON object per line with prompt and answer")
     return pd.DataFrame(records, index=pd.Index(rows, name="row"), dtype=object)

@@ -1,6 +1,6 @@
 """Rollout and speculative-decoding metrics as pure functions: records -> dict[str, float].
 
-Names follow the project's scheme (`rollout/...`, `spec/...`; README: What a run produces). Input: a `tlt.rollout.state.RolloutBatch`
+Names follow the project's scheme (`rollout/...`, `spec/...`; docs/tracking.md: What a run produces). Input: a `tlt.rollout.state.RolloutBatch`
 (any object with the same fields works; nothing here runs a model) whose `stats` is a
 `tlt.rollout.stats.RolloutStats`; the ratios are its derived properties.
 """

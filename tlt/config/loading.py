@@ -29,7 +29,8 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 # Keys that older recipes (and run folders' config.yaml) may still hold: why they went, what to do.
-_REMOVED = {"drafter.variant": "the drafter is always EAGLE-3 (EAGLE-1 was never implemented); delete the key"}
+_REMOVED = {"drafter.variant": "the drafter is always EAGLE-3 (EAGLE-1 was never implemented); delete the key",
+            "drafter.spot": "write drafter.where: spot (spot: true) or drafter.where: sequential (spot: false)"}
 
 
 def _explain(err: ValidationError) -> str:
@@ -41,10 +42,13 @@ def _explain(err: ValidationError) -> str:
             lines.append(f"key '{key}' was removed: {_REMOVED[key]}")
         elif e["type"] == "extra_forbidden":
             near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-            hint = f"did you mean '{near[0]}'?" if near else "remove it (see the config reference in README)"
+            hint = f"did you mean '{near[0]}'?" if near else "remove it (every key is listed in docs/configuration.md, or run `tlt config reference`)"
             lines.append(f"unknown key '{key}': {hint}")
+        elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: says the fix
+            lines.append(f"invalid '{key}': {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"invalid value for '{key}': {e['msg']} (got {e.get('input')!r}); fix the value")
+            lines.append(f"invalid value for '{key}': {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r});"
+                         " fix the value")
     return "\n".join(lines)
 
 
@@ -122,7 +126,7 @@ def _type_name(ann: Any) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference table for the README (kept in sync by a test)."""
+    """The config reference table of docs/configuration.md (kept in sync by a test)."""
     rows = ["| key | type | default | description |", "|---|---|---|---|"]
 
     def walk(model: type[BaseModel], prefix: str) -> None:

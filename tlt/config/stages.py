@@ -6,6 +6,7 @@ YAML recipe or a `--set` override fails with the dotted key and the nearest vali
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -122,20 +123,50 @@ class DrafterConfig(Stage):
     eval_strategy: SpecStrategy = Field(default_factory=lambda: SpecStrategy(depth=4, topk=1, tokens=4),
                                           description="The fixed strategy of accept-length reports (tuner off; "
                                           "default: a depth-4 chain)")
-    refresh_every: int = Field(1, ge=0, description="Refresh the drafter every k RL steps (steps k-1, 2k-1, ...: in "
-                               "that step's rollout tail with spot, after its update without); 0 = only when "
-                               "refresh_below_accept_len fires (frozen when that is unset)")
-    refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per sequential refresh")
-    spot: bool = Field(True, description="Train the drafter in the rollout's idle tail (spot trainer process) "
-                       "instead of sequentially after the policy update")
+    schedule: Literal["frozen", "every_k", "below_accept", "payoff"] = Field(
+        "every_k", description="When the online drafter trains: frozen = never after the warm-start; every_k = in "
+        "RL steps k-1, 2k-1, ... (k = refresh_every); below_accept = in the step after a rollout whose accept "
+        "length fell under refresh_below_accept_len; payoff = when the rollout time a refresh is estimated to "
+        "save over the next payoff_horizon steps exceeds its measured cost")
+    where: Literal["spot", "sequential"] = Field(
+        "spot", description="Where a due refresh trains: spot = in that step's rollout tail (spot trainer process, "
+        "for as long as the tail lasts); sequential = refresh_steps drafter steps after the policy update")
+    refresh_every: int = Field(1, ge=1, description="k of schedule every_k")
+    refresh_steps: int = Field(8, ge=1, description="Drafter optimizer steps per sequential refresh (where: "
+                               "sequential)")
+    refresh_below_accept_len: float | None = Field(None, gt=0, description="Bound of schedule below_accept: train "
+                                                   "after a rollout whose accept length (spec/accept_len/mean) is "
+                                                   "below it")
+    payoff_horizon: int = Field(4, ge=1, description="RL steps over which schedule payoff credits a refresh with "
+                                "the rollout time it saves")
     spot_threads: int = Field(1, ge=1, description="Torch threads of the spot trainer process")
     spot_checkpoint_every: int = Field(16, ge=0, description="The spot trainer saves its weights + optimizer every k "
                                        "drafter steps (async; a preempted worker loses at most k steps; 0 = only "
                                        "at the end of each tail)")
-    refresh_below_accept_len: float | None = Field(None, description="Also refresh when the last rollout's accept "
-                                                   "length (spec/accept_len/mean) is below this")
     buffer_steps: int = Field(2, ge=1, description="RL steps of rollouts kept in the online buffer (one-step offset = 2)")
     buffer_max_tokens: int = Field(65536, ge=1024, description="Memory bound of the online buffer, in tokens")
+
+    @field_validator("refresh_every", mode="before")
+    @classmethod
+    def _every_is_k(cls, k):
+        if k == 0 or k == "0":
+            raise ValueError("refresh_every is the k of schedule every_k (>= 1); for a drafter that never trains "
+                             "after its warm-start set drafter.schedule: frozen")
+        return k
+
+    @model_validator(mode="after")
+    def _schedule_keys(self):
+        s = self.schedule
+        if s == "below_accept" and self.refresh_below_accept_len is None:
+            raise ValueError("drafter.schedule: below_accept needs its bound: set drafter.refresh_below_accept_len")
+        if s != "below_accept" and self.refresh_below_accept_len is not None:
+            raise ValueError(f"drafter.refresh_below_accept_len is the bound of schedule below_accept, but "
+                             f"drafter.schedule is {s}: set drafter.schedule: below_accept or drop the bound")
+        for key, owner in (("refresh_every", "every_k"), ("payoff_horizon", "payoff")):  # a non-default value
+            if getattr(self, key) != type(self).model_fields[key].default and s != owner:
+                raise ValueError(f"drafter.{key} is read by schedule {owner} only, but drafter.schedule is {s}: "
+                                 f"set drafter.schedule: {owner} or drop drafter.{key}")
+        return self
 
 
 class RolloutConfig(Stage):
@@ -225,7 +256,7 @@ class TrainerConfig(Stage):
                                   "false = rollout order")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clip")
     precision: Literal["auto", "fp32", "bf16-mixed"] = Field(
-        "fp32", description="Policy update: fp32, or bf16-mixed (fp32 master weights and optimizer state, bf16 "
+        "auto", description="Policy update: fp32, or bf16-mixed (fp32 master weights and optimizer state, bf16 "
         "autocast forward/backward, loss in fp32); auto = bf16-mixed where the device has bf16 units (CUDA, or a "
         "CPU with avx512_bf16/amx_bf16), else fp32")
     allow_low_precision_update: bool = Field(False, description="Let a bfloat16/float16 model.dtype be updated in "
@@ -249,6 +280,14 @@ class ClusterConfig(Stage):
                               "restarted actor with the current policy version")
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement-group strategy of the run's bundles")
+
+    @field_validator("address")
+    @classmethod
+    def _ray_address(cls, address: str) -> str:
+        if address in ("", "auto") or re.fullmatch(r"(ray://)?[\w.-]+:\d{1,5}", address):
+            return address
+        raise ValueError(f"'{address}' is not a Ray address; use '' (a local Ray started for the run), 'auto', "
+                         "'ray://HOST:PORT' (Ray client) or 'HOST:PORT' (the GCS of a cluster)")
 
 
 class EvalConfig(Stage):

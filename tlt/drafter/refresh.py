@@ -6,35 +6,27 @@ hidden states of the old-log-prob forward (no extra pass); the buffer keeps the 
 """
 from __future__ import annotations
 
+import os
 import time
+
 import torch
 
 from tlt.drafter.buffer import DraftBuffer
+from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
 
 
-def refresh_due(cfg, step: int, last_accept: float | None) -> bool:
-    """Whether RL step `step` refreshes the drafter (both refreshers: the spot trainer in that
-    step's rollout tail, the sequential one after its update): every `refresh_every` steps
-    (steps k-1, 2k-1, ...), or when the last rollout's accept length fell under
-    `refresh_below_accept_len`. refresh_every 0 with no bound: never (frozen)."""
-    every = cfg.refresh_every
-    if every and (step + 1) % every == 0:
-        return True
-    low = cfg.refresh_below_accept_len
-    return low is not None and last_accept is not None and last_accept < low
-
-
 class DrafterRefresher:
-    """Owns the drafter's buffer and trainer; decides when to refresh and runs the refresh."""
+    """Owns the drafter's buffer and trainer; asks its `RefreshSchedule` when to refresh and runs
+    `refresh_steps` drafter steps after the policy update (`drafter.where: sequential`)."""
 
     def __init__(self, trainer: DrafterTrainer, cfg, seed: int = 0):
         self.trainer, self.cfg = trainer, cfg
         self.drafter = trainer.drafter
         self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens, prompt_weight(cfg))
         self.rng = torch.Generator().manual_seed(seed)
-        self.last_accept: float | None = None
+        self.schedule = RefreshSchedule(cfg, cpus=os.cpu_count() or 1)
         self.total_steps = 0
 
     @property
@@ -53,30 +45,30 @@ class DrafterRefresher:
     def after_rollout(self) -> dict[str, float]:
         return {}
 
-    def after_update(self, step: int, accept_len: float | None) -> dict[str, float]:
-        """Sequential refresh after the policy update, when due."""
-        self.observe(accept_len)
-        return self.refresh(step) if self.due(step) else {}
+    def after_update(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics so far go to the schedule; a due refresh runs now, after the update."""
+        self.schedule.observe(step, metrics)
+        out = self.refresh(step) if self.schedule.due(step) else {}
+        return {**out, **self.schedule.metrics()}
 
-    def optimizer_state(self) -> dict:
-        return {"optimizer": self.trainer.opt.state_dict(), "num_steps": self.trainer.num_steps}
+    def state_dict(self) -> dict:
+        """Drafter weights, optimizer, buffer, RNG, step count and schedule: what a resumed run needs."""
+        buffer, buffer_meta = self.buffer.state_dict()
+        return {"drafter": self.drafter.state_dict(), "optimizer": self.trainer.opt.state_dict(),
+                "num_steps": self.trainer.num_steps, "buffer": buffer, "buffer_meta": buffer_meta,
+                "rng": self.rng.get_state(), "total_steps": self.total_steps, "schedule": self.schedule.state_dict()}
 
-    def load(self, drafter_state: dict, optim_state: dict | None) -> None:
-        self.drafter.load_state_dict(drafter_state, strict=True)
-        if optim_state is not None:
-            self.trainer.opt.load_state_dict(optim_state["optimizer"])
-            self.trainer.num_steps = optim_state["num_steps"]
+    def load_state_dict(self, state: dict) -> None:
+        self.drafter.load_state_dict(state["drafter"], strict=True)
+        self.trainer.opt.load_state_dict(state["optimizer"])
+        self.trainer.num_steps = state["num_steps"]
+        self.buffer.load_state_dict(state["buffer"], state["buffer_meta"])
+        self.rng.set_state(state["rng"])
+        self.total_steps = state["total_steps"]
+        self.schedule.load_state_dict(state["schedule"])
 
     def close(self) -> None:
         pass
-
-    def observe(self, accept_len: float | None) -> None:
-        """The rollout's measured accept length (spec/accept_len/mean), for the below-threshold trigger."""
-        if accept_len is not None:
-            self.last_accept = accept_len
-
-    def due(self, step: int) -> bool:
-        return refresh_due(self.cfg, step, self.last_accept)
 
     def refresh(self, step: int) -> dict[str, float]:
         """`refresh_steps` drafter updates on the buffer (accept length is measured by the next rollout)."""
@@ -97,4 +89,5 @@ class DrafterRefresher:
         metrics["drafter/steps"] = float(self.total_steps)
         metrics["drafter/buffer_tokens"] = float(self.buffer.num_tokens)
         metrics["drafter/train_s"] = time.perf_counter() - t0
+        self.schedule.measured_refresh(len(history), metrics["drafter/train_s"])
         return metrics

@@ -24,6 +24,7 @@ lost (`drafter/steps_lost`, `drafter/preemptions`).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import shutil
 import threading
@@ -38,7 +39,7 @@ from tlt.checkpoint import load_checkpoint, load_pt, newest_verified, save_check
 from tlt.config import DrafterConfig
 from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.model import Eagle3Drafter
-from tlt.drafter.refresh import refresh_due
+from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
 
@@ -152,7 +153,8 @@ class SpotTrainer:
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
         self.total_steps, self._running, self._t_tail = 0, False, 0.0
-        self.last_accept: float | None = None  # the last rollout's accept length (refresh_due; kept in checkpoints)
+        on_cpu = next(drafter.parameters()).device.type == "cpu"  # decoding shares the cores the worker takes
+        self.schedule = RefreshSchedule(cfg, cpus=(os.cpu_count() or 1) if on_cpu else 0)
         self.weights_step = 0  # drafter optimizer steps behind self.drafter's weights
         self._optim: dict | None = None  # the optimizer state last loaded into the worker
         self.preemptions = self.corrupt_checkpoints = 0
@@ -192,18 +194,17 @@ class SpotTrainer:
 
     # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
     def before_rollout(self, step: int) -> Callable[[int], None] | None:
-        """Refresh the shared target weights; when step `step` is due a refresh (`refresh_due`) the
+        """Refresh the shared target weights; when the schedule makes step `step` due a refresh the
         returned hook (the rollout's `on_tail`) starts training, else this tail stays idle (None)."""
         self.sync_policy()
-        return self.start if refresh_due(self.cfg, step, self.last_accept) else None
+        return self.start if self.schedule.due(step) else None
 
     def after_rollout(self) -> dict[str, float]:
-        return self.finish()
+        return {**self.finish(), **self.schedule.metrics()}
 
-    def after_update(self, step: int, accept_len: float | None) -> dict[str, float]:
-        """Remember the rollout's accept length (spec/accept_len/mean) for the next step's decision."""
-        if accept_len is not None:
-            self.last_accept = accept_len
+    def after_update(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """The step's metrics (accept length, tail time) go to the schedule for the next decision."""
+        self.schedule.observe(step, metrics)
         return {}
 
     def start(self, n_running: int = 0) -> None:
@@ -311,7 +312,23 @@ class SpotTrainer:
             self.cmd.put(("optim",))
             return self._get("optim")[1]
 
+    def state_dict(self) -> dict:
+        """Drafter weights, the worker's optimizer, buffer, RNG, step count and schedule."""
+        optim = self.optimizer_state()
+        buffer, buffer_meta = self.buffer.state_dict()
+        return {"drafter": self.drafter.state_dict(), "optimizer": optim["optimizer"], "num_steps": optim["num_steps"],
+                "buffer": buffer, "buffer_meta": buffer_meta, "rng": self.rng.get_state(),
+                "total_steps": self.total_steps, "schedule": self.schedule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load(state["drafter"], {"optimizer": state["optimizer"], "num_steps": state["num_steps"]})
+        self.buffer.load_state_dict(state["buffer"], state["buffer_meta"])
+        self.rng.set_state(state["rng"])
+        self.total_steps = state["total_steps"]
+        self.schedule.load_state_dict(state["schedule"])
+
     def load(self, drafter_state: dict, optim_state: dict | None) -> None:
+        """Weights (and optimizer) from elsewhere, e.g. the warm-start: a new timeline of checkpoints."""
         with torch.no_grad():
             self.drafter.load_state_dict(drafter_state, strict=True)
             for k, v in self.drafter.state_dict().items():

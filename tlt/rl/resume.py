@@ -23,24 +23,18 @@ def _crash_point(write, step: int):
 
 
 def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None) -> Path:
-    """Checkpoint after RL step `step`: policy + optimizer, drafter (trainable only) + optimizer,
-    sampler cursor, RNG states, tuner state, drafter buffer + refresher RNG, `extra` (e.g. the
+    """Checkpoint after RL step `step`: policy + optimizer, sampler cursor, RNG states, tuner state,
+    the drafter refresher's `state_dict()` (trainable weights, optimizer, buffer, RNG), `extra` (e.g. the
     step's metrics, which the pipeline logs after the save: see `checkpoint_metrics`)."""
     tensors = {"policy": ctx.model.state_dict()}
     blobs = {"policy_optim": _crash_point(torch_blob(ctx.updater.state_dict()), step)}
     state = {"step": step, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
     if ctx.engine.tuner is not None:
         state["tuner"] = ctx.engine.tuner.state()
-    if ctx.refresher is not None:
-        tensors["drafter"] = ctx.refresher.drafter.state_dict()
-        blobs["drafter_optim"] = torch_blob(ctx.refresher.optimizer_state())
-        buf_tensors, state["buffer_state"] = ctx.refresher.buffer.state_dict()
-        if buf_tensors:
-            tensors["buffer"] = buf_tensors
-        tensors["refresher"] = {"rng": ctx.refresher.rng.get_state()}
-        state["buffer"] = ctx.refresher.buffer.metadata()
-        state["drafter_total_steps"] = ctx.refresher.total_steps
-        state["last_accept"] = ctx.refresher.last_accept
+    if ctx.refresher is not None:  # its weights where `tlt export` reads them, the rest (optimizer, buffer...) whole
+        refresher = ctx.refresher.state_dict()
+        tensors["drafter"] = refresher.pop("drafter")
+        blobs["refresher"] = torch_blob(refresher)
     path = save_checkpoint(root, step, tensors, state, blobs, keep=keep)
     fault("checkpointed", step)
     return path
@@ -61,14 +55,8 @@ def restore_run_state(ctx, root: Path) -> dict | None:
     ctx.sampler.load_state(state["sampler"])
     if ctx.engine.tuner is not None and "tuner" in state:
         ctx.engine.tuner.load_state(state["tuner"])
-    if ctx.refresher is not None and "drafter" in tensors:
-        ctx.refresher.load(tensors["drafter"], load_pt(pts["drafter_optim"]))
-        ctx.refresher.total_steps = state.get("drafter_total_steps", 0)
-        if "buffer_state" in state:
-            ctx.refresher.buffer.load_state_dict(tensors.get("buffer", {}), state["buffer_state"])
-        if "refresher" in tensors:
-            ctx.refresher.rng.set_state(tensors["refresher"]["rng"])
-        ctx.refresher.last_accept = state.get("last_accept")
+    if ctx.refresher is not None and "refresher" in pts:
+        ctx.refresher.load_state_dict({"drafter": tensors["drafter"], **load_pt(pts["refresher"])})
     restore_rng(state["rng"])
     return state
 

@@ -26,7 +26,6 @@ from tlt.rl.update import PolicyBatch, detached, fuses_old_logprob
 from tlt.schemas import rollout_table
 
 if TYPE_CHECKING:
-    from tlt.drafter.buffer import DraftBuffer
     from tlt.rollout.state import RolloutBatch
 
 TailHook = Callable[[int], None]  # called with the number of running sequences when the rollout's tail starts
@@ -56,12 +55,6 @@ class Refresher(Protocol):
     """The adaptive drafter as the RL step drives it: tlt.drafter.refresh.DrafterRefresher
     (sequential refresh after the update) or tlt.drafter.spot.SpotTrainer (in the rollout's tail)."""
 
-    drafter: Any  # tlt.drafter.model.Eagle3Drafter
-    buffer: DraftBuffer
-    rng: torch.Generator
-    total_steps: int  # drafter optimizer steps so far
-    last_accept: float | None  # the last rollout's accept length (below-threshold trigger)
-
     @property
     def aux_layer_ids(self) -> list[int]: ...
 
@@ -72,11 +65,13 @@ class Refresher(Protocol):
 
     def after_rollout(self) -> dict[str, float]: ...
 
-    def after_update(self, step: int, accept_len: float | None) -> dict[str, float]: ...
+    def after_update(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """After the policy update, with the step's metrics so far (its schedule observes them)."""
 
-    def optimizer_state(self) -> dict: ...
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs ("drafter": its trainable weights, and the rest)."""
 
-    def load(self, drafter_state: dict, optim_state: dict | None) -> None: ...
+    def load_state_dict(self, state: dict) -> None: ...
 
     def close(self) -> None: ...
 
@@ -221,7 +216,7 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
 
 
 def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
-    """Run RL step `step`; returns its metrics (names as in README: What a run produces)."""
+    """Run RL step `step`; returns its metrics (names as in docs/tracking.md: What a run produces)."""
     cfg, timer = ctx.cfg, Timer()
     t0 = time.perf_counter()
     rows, batch = _rollout(ctx, step, timer)
@@ -237,7 +232,7 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     metrics.update(_update(ctx, step, (ids, attn, resp, pos), adv, keep, timer))
     if ctx.refresher:  # sequential refresh (when not spot-trained)
         with timer("update_drafter"):
-            metrics.update(ctx.refresher.after_update(step, metrics.get("spec/accept_len/mean")))
+            metrics.update(ctx.refresher.after_update(step, dict(metrics)))
     with timer("sync"):  # an engine outside this process (vLLM, workers) gets the new weights
         metrics.update(ctx.engine.sync(ctx.model))
     metrics.update(reward_metrics(rewards, tasks, batch.group_index))

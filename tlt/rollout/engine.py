@@ -19,7 +19,7 @@ import torch
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
 from tlt.rollout.calibrate import Calibrator
-from tlt.rollout.guard import SpecGuard, StepLog
+from tlt.rollout.guard import SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
 from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
 from tlt.rollout.spec import spec_round
@@ -42,12 +42,17 @@ class RolloutEngine:
         self.copy = RolloutCopy.of(model, cfg.dtype)  # None: decode with the policy module itself
         self.model = model if self.copy is None else self.copy.module
         self.eos_ids = list(eos_ids)
-        self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
+        self.drafter_master = drafter if (drafter is not None and cfg.drafter == "eagle") else None
+        # Drafting in the rollout dtype too: a frozen copy rounded from the drafter's fp32 master weights
+        # (trained by the refresher or the spot trainer), refreshed at each rollout like the policy copy.
+        self.drafter_copy = None if self.drafter_master is None else RolloutCopy.of(self.drafter_master, cfg.dtype)
+        self.drafter = self.drafter_master if self.drafter_copy is None else self.drafter_copy.module
         self.ngram = NgramDrafter()
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
         self.guard = SpecGuard.from_config(cfg)  # per-tier SD switch-off below break-even (tlt.rollout.guard)
-        self._drafter_seen = fingerprint(self.drafter) if self.drafter is not None else None
+        self._drafter_seen = fingerprint(self.drafter_master) if self.drafter_master is not None else None
+        self.probe_metrics = self._probe_copy() if self.drafter_copy is not None else {}
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -95,7 +100,7 @@ class RolloutEngine:
         cfg = self.cfg
         if self.copy is not None:
             self.copy.refresh(self.master)
-        self._rearm_on_new_drafter()
+        self._sync_drafter()
         opts = dict(max_new=max_new_tokens or cfg.max_new_tokens,
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
@@ -124,14 +129,28 @@ class RolloutEngine:
             batch.features = outs.capture.sequences(prompts, group_size, batch.response_ids)
         return batch
 
-    def _rearm_on_new_drafter(self) -> None:
-        """New drafter weights (a refresh, a spot-trainer load, a checkpoint) re-arm the spec guard."""
-        if self.drafter is None:
+    def _sync_drafter(self) -> None:
+        """New drafter weights (a refresh, a spot-trainer load, a checkpoint): rounded into the
+        rollout-dtype copy, which must then pass the guard's probe, and the spec guard re-armed."""
+        if self.drafter_master is None:
             return
-        seen = fingerprint(self.drafter)
-        if seen != self._drafter_seen:
-            self._drafter_seen = seen
+        if self.drafter_copy is not None:
+            changed = self.drafter_copy.refresh(self.drafter_master)
+            if changed:
+                self.probe_metrics = self._probe_copy()
+        else:
+            seen = fingerprint(self.drafter_master)
+            changed, self._drafter_seen = seen != self._drafter_seen, seen
+        if changed:
             self.guard.rearm()
+
+    def _probe_copy(self) -> dict[str, float]:
+        """The drafter copy computes its master's logits on the guard's probe (tlt.rollout.guard), within
+        the copy dtype's tolerance, or DrafterMismatch."""
+        probe = probe_inputs(self.drafter_master)
+        dtype = str(self.drafter_copy.dtype).removeprefix("torch.")
+        return check_probe(probe_logits(self.drafter_master, probe), probe_logits(self.drafter, probe), dtype,
+                           "the torch engine's drafter copy")
 
     def sync(self, model=None) -> dict[str, float]:
         """Nothing to send when this engine decodes with the policy module itself (see tlt.rl.step);

@@ -1,0 +1,164 @@
+"""Render the committed benchmark results into the docs and the README.
+
+    python bench/render.py            rewrite the generated blocks
+    python bench/render.py --check    exit 1 when a generated block disagrees with bench/results/*.json
+
+Every number printed comes from a JSON file in bench/results/ and links to it; each file's
+provenance header (command line, commit, machine, date, config hash; written by
+bench/harness.py) is listed next to the tables. Blocks are delimited by
+`<!-- results:NAME:start -->` / `<!-- results:NAME:end -->` in docs/performance.md (NAME = index,
+precision, parity) and README.md (NAME = status). tests/test_results.py runs the check.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGES = {"README.md": "bench/results", "docs/performance.md": "results"}  # page -> link prefix to the files
+NOT_MEASURED = "not measured in committed results"
+
+
+def load_results() -> dict[str, dict]:
+    """name (file stem) -> the JSON of every committed result."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+
+
+def suite(res: dict) -> str:
+    """The benchmark script that wrote a result (from its command line)."""
+    cmd = res.get("command", "").split()
+    return Path(cmd[1]).stem if len(cmd) > 1 else "?"
+
+
+def recipe(res: dict) -> str:
+    cmd = res.get("command", "").split()
+    return cmd[2] if len(cmd) > 2 else "?"
+
+
+def x(v: float) -> str:
+    return f"{v:.2f}×"
+
+
+# ---------------------------------------------------------------- blocks
+def index_block(results: dict, prefix: str) -> str:
+    rows = ["| file | command | commit | machine | date | config hash |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        rows.append(f"| [{name}.json]({prefix}/{name}.json) | `{r['command']}` | `{r['commit']}` | {r['machine']} | "
+                    f"{r['date']} | `{r.get('config_hash') or '–'}` |")
+    return "\n".join(rows)
+
+
+PRECISION_ROWS = [  # (label, cell from one precision result)
+    ("RL step", lambda r: f"{r['step_s_fp32']:.1f} → {r['step_s_bf16']:.1f} s, **{x(r['step_speedup'])}**"),
+    ("policy update", lambda r: f"{r['update_s_fp32']:.1f} → {r['update_s_bf16']:.1f} s, {x(r['update_speedup'])}"),
+    ("rollout in the RL step (SD, spot trainer)",
+     lambda r: f"{r['rollout_s_fp32']:.1f} → {r['rollout_s_bf16']:.1f} s, {x(r['rollout_speedup_bf16'])}"),
+    ("rollout tokens/s, plain / SD (held-out prompts)",
+     lambda r: f"{x(r['rollout_tok_s_speedup_plain'])} / {x(r['rollout_tok_s_speedup_sd'])}"),
+    ("SD / plain tokens/s, fp32 → bf16", lambda r: f"{x(sd_ratio(r, 'fp32'))} → {x(sd_ratio(r, 'bf16'))}"),
+    ("drafter warm-start, per step",
+     lambda r: f"{r['warmstart_s_fp32'] / r['warmstart_steps']:.2f} → {r['warmstart_s_bf16'] / r['warmstart_steps']:.2f} s, "
+               f"{x(r['warmstart_speedup'])}"),
+    ("held-out accept length after warm-start, greedy",
+     lambda r: f"{r['accept_len_fp32']:.2f} → {r['accept_len_bf16']:.2f}"),
+    ("held-out greedy accuracy after the last step", lambda r: f"{r['accuracy_fp32']:.2f} → {r['accuracy_bf16']:.2f}"),
+    ("reward curves, paired permutation test",
+     lambda r: f"p = {r['parity_p_value']:.3f} ({'match' if r['reward_curves_match'] else 'differ'} at α 0.01)"),
+]
+
+
+def sd_ratio(r: dict, arm: str) -> float:
+    return r["rollout_tok_s"][f"{arm}_sd"] / r["rollout_tok_s"][f"{arm}_plain"]
+
+
+def precision_block(results: dict, prefix: str) -> str:
+    runs = {n: r for n, r in results.items() if suite(r) == "precision"}
+    if not runs:
+        return f"fp32 against bf16-mixed: {NOT_MEASURED}."
+    head = "| fp32 → bf16-mixed | " + " | ".join(f"[`{recipe(r)}`]({prefix}/{n}.json)" for n, r in runs.items()) + " |"
+    rows = [head, "|---|" + "---|" * len(runs)]
+    rows += [f"| {label} | " + " | ".join(cell(r) for r in runs.values()) + " |" for label, cell in PRECISION_ROWS]
+    steps = ", ".join(f"`{recipe(r)}` {r['steps']} steps" for r in runs.values())
+    return "\n".join(rows) + f"\n\nMeans over steps 1..N-1 ({steps}); machines and commands in the index above."
+
+
+def parity_block(results: dict, prefix: str) -> str:
+    """bench/precision_parity.py: does bf16-mixed learn as fp32 does, over several seeds."""
+    runs = {n: r for n, r in results.items() if suite(r) == "precision_parity"}
+    if not runs:
+        return f"Learning parity of bf16-mixed over several seeds: {NOT_MEASURED}."
+    rows = ["| recipe | seeds × steps | reward mean fp32 / bf16 | reward curves (paired test) | held-out accuracy "
+            "before → after, fp32 / bf16 | accuracy after (paired test) |", "|---|---|---|---|---|---|"]
+    for n, r in runs.items():
+        rows.append(f"| [`{recipe(r)}`]({prefix}/{n}.json) | {len(r['seeds'])} × {r['steps']} | "
+                    f"{r['reward_mean_fp32']:.3f} / {r['reward_mean_bf16']:.3f} | p = {r['parity_p_value']:.3f} | "
+                    f"{r['accuracy_before_fp32']:.2f} → {r['accuracy_after_fp32']:.2f} / "
+                    f"{r['accuracy_before_bf16']:.2f} → {r['accuracy_after_bf16']:.2f} | "
+                    f"p = {r['accuracy_after_p_value']:.3f} |")
+    return "\n".join(rows)
+
+
+def status_block(results: dict, prefix: str) -> str:
+    """The README's status at a glance: what pays where, on which hardware, with links to the files."""
+    rows = ["| question | answer | recipe | hardware | source |", "|---|---|---|---|---|"]
+    for n, r in results.items():
+        if suite(r) != "precision":
+            continue
+        link, where = f"[{n}.json]({prefix}/{n}.json)", f"`{recipe(r)}`"
+        rows.append(f"| bf16-mixed vs fp32, whole RL step | **{x(r['step_speedup'])}** faster, reward curves "
+                    f"p = {r['parity_p_value']:.3f} | {where} | {r['machine']} | {link} |")
+        rows.append(f"| SD vs plain decoding, rollout tokens/s at the recipe's batch | {x(sd_ratio(r, 'fp32'))} "
+                    f"(fp32), {x(sd_ratio(r, 'bf16'))} (bf16) | {where} | {r['machine']} | {link} |")
+        rows.append(f"| drafter accept length after warm-start (greedy, fp32) | {r['accept_len_fp32']:.2f} tokens "
+                    f"per verify | {where} | {r['machine']} | {link} |")
+    rows.append(f"| GPU rollout and training speed | {NOT_MEASURED} | | GPU | [GPU guide](docs/gpu.md) |")
+    rows.append(f"| vLLM rollout backend speed | {NOT_MEASURED} | | | [vLLM backend](docs/vllm.md) |")
+    return "\n".join(rows)
+
+
+BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "status": status_block}
+
+
+# ---------------------------------------------------------------- pages
+def render_page(text: str, results: dict, prefix: str) -> str:
+    """`text` with every generated block it contains re-rendered."""
+    for name, block in BLOCKS.items():
+        start, end = f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
+        if start in text:
+            head, rest = text.split(start, 1)
+            text = f"{head}{start}\n{block(results, prefix)}\n{end}{rest.split(end, 1)[1]}"
+    return text
+
+
+def stale(results: dict | None = None) -> dict[str, str]:
+    """page -> its rendered text, for every page whose generated blocks are out of date."""
+    results = load_results() if results is None else results
+    out = {}
+    for page, prefix in PAGES.items():
+        text = (ROOT / page).read_text()
+        new = render_page(text, results, prefix)
+        if new != text:
+            out[page] = new
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when a page is out of date; write nothing")
+    args = ap.parse_args(argv)
+    pages = stale()
+    if args.check:
+        for page in pages:
+            print(f"{page}: generated results blocks are stale; run `python bench/render.py`", file=sys.stderr)
+        return 1 if pages else 0
+    for page, text in pages.items():
+        (ROOT / page).write_text(text)
+        print(f"rendered {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
