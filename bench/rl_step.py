@@ -2,7 +2,7 @@
 
 The three tlt runs and TRL's GRPOTrainer as the peer use the same model, prompts, group size and lengths.
 
-    python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl]
+    python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
 
 The three tlt runs live in this process, built with `Pipeline(cfg)` from the same seed and data,
 and are interleaved step by step (the order rotates every step) so the shared machine's noise
@@ -15,7 +15,9 @@ first-touch of the KV cache, the spot worker's first batches).
 Accuracy parity: SD is lossless in distribution, not sample for sample, so the plain and adaptive
 `reward/mean` curves are compared with a paired sign-flip permutation test (see `parity`), and
 greedy evaluation is checked token-identical with SD forced on vs off on the same weights.
-TRL runs afterwards in its own venv (`.venv-trl`, created once) through bench/trl_grpo.py.
+The vLLM arms (bench/rl_step_vllm.py: the same three loops on `rollout.backend=vllm`) run next
+whenever the vLLM venv exists. TRL runs afterwards in its own venv (`.venv-trl`, created once)
+through bench/trl_grpo.py.
 """
 from __future__ import annotations
 
@@ -289,12 +291,17 @@ def print_table(res: dict) -> None:
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, steps=3, out_dir=True)
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer run")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM arms (bench/rl_step_vllm.py)")
     args = ap.parse_args(argv)
+    vllm_arms = harness.load("rl_step_vllm")  # vLLM plain / tail SD / frozen, whenever vLLM's venv exists
     with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
         tlt = run_tlt(args.config, args.overrides, args.steps, out_dir)
+        vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(
+            args.config, args.overrides, args.steps, out_dir)
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
-        res = summarize(tlt, trl, args.steps)
+        res = vllm_arms.merge(summarize(tlt, trl, args.steps), vllm)
     print_table(res)
+    vllm_arms.print_lines(res)
     return harness.write_result(res, "rl_step", args, argv)
 
 

@@ -63,8 +63,8 @@ def test_trl_prompts_follow_tlt_sampler_and_template(tmp_path):
 @pytest.mark.slow
 def test_benchmark_smoke_two_steps(tmp_path):
     out_json = tmp_path / "bench.json"
-    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", "2", "--no-trl", "--json", str(out_json),
-                      "--out-dir", str(tmp_path / "runs")])
+    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", "2", "--no-trl", "--no-vllm", "--json",
+                      str(out_json), "--out-dir", str(tmp_path / "runs")])
     saved = json.loads(out_json.read_text())
     for key in ("step_s_plain", "step_s_spec", "step_s_frozen", "step_s_trl", "speedup_vs_plain", "speedup_vs_trl",
                 "accept_len_adaptive", "accept_len_frozen", "drafter_overhead_share", "reward_curves_match",
@@ -86,6 +86,38 @@ def test_benchmark_smoke_two_steps(tmp_path):
     for mode in ("plain", "adaptive", "frozen"):
         assert len(res["curves"][mode]["reward_mean"]) == 2
     assert res["curves"]["plain"]["accept_len"] == [None, None]  # no SD in the plain run
+
+
+def test_vllm_keys_merge_over_the_best_arms():
+    arms = load_bench("rl_step_vllm")
+    runs = {a: {"steps": [{"step_s": 9.0, "rollout_s": 5.0}, {"step_s": s, "rollout_s": r}], "rebuilds": 0.0,
+                "guard_tripped": 0.0, "greedy_identical": True}
+            for a, s, r in (("vllm_plain", 4.0, 2.0), ("vllm_spec", 3.0, 1.6), ("vllm_frozen", 3.5, 1.5))}
+    runs["same_warmstart_drafter"] = True
+    res = arms.merge({"step_s_plain": 6.0, "step_s_spec": 5.0, "step_s_frozen": 5.5, "trl": {"step_s": 12.0}}, runs)
+    assert res["step_s_vllm_spec"] == 3.0 and res["rollout_s_vllm_plain"] == 2.0  # step 0 excluded
+    assert res["rollout_speedup_vllm"] == pytest.approx(2.0 / 1.6)
+    assert res["speedup_vllm_vs_torch_plain"] == 2.0 and res["speedup_vllm_vs_torch"] == pytest.approx(5.0 / 3.0)
+    assert res["speedup_vs_trl"] == 4.0 and res["vllm_greedy_eval_identical"]  # over the best tlt step of any arm
+    alone = arms.merge({"step_s_plain": 6.0, "step_s_spec": 5.0, "step_s_frozen": 5.5, "trl": {"step_s": 12.0}}, None)
+    assert alone["speedup_vs_trl"] == pytest.approx(12.0 / 5.0) and "step_s_vllm_spec" not in alone
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not (ROOT / ".venv-vllm" / "bin" / "python").exists(), reason="no vLLM venv (bench/vllm_venv.sh)")
+def test_benchmark_vllm_arms_one_step(tmp_path):
+    """bench/rl_step.py with its vLLM arms on the smoke recipe, one step: the keys, greedy identity
+    on vLLM with SD forced on vs off, no engine rebuild."""
+    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", "1", "--no-trl", "--json",
+                      str(tmp_path / "bench.json"), "--out-dir", str(tmp_path / "runs")])
+    for key in ("step_s_vllm_plain", "step_s_vllm_spec", "step_s_vllm_frozen", "rollout_s_vllm_plain",
+                "rollout_s_vllm_spec", "rollout_speedup_vllm", "speedup_vllm_vs_torch_plain", "speedup_vllm_vs_torch"):
+        assert res[key] > 0, key
+    assert res["vllm_rebuilds"] == 0 and res["vllm_greedy_eval_identical"] and res["vllm_same_warmstart_drafter"]
+    best = min(res[k] for k in ("step_s_plain", "step_s_spec", "step_s_frozen"))
+    assert res["speedup_vllm_vs_torch"] == pytest.approx(best / min(res[f"step_s_vllm_{a}"] for a in
+                                                                     ("plain", "spec", "frozen")))
 
 
 def test_sd_needs_fewer_target_forwards_with_a_trained_drafter():

@@ -7,7 +7,7 @@ from test_fused_update import _batch, _model
 
 from tlt.config import RunConfig
 from tlt.rl.update import make_updater
-from tlt.rollout.vllm_backend import bits_sum, fingerprint
+from tlt.rollout.weights import bits_sum, fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

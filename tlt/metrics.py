@@ -32,6 +32,8 @@ def length_metrics(lengths: list[int]) -> dict[str, float]:
 def spec_metrics(drafted: list[int], accepted: list[int], stats: RolloutStats) -> dict[str, float]:
     """Acceptance metrics of the speculative rounds (empty when SD never ran)."""
     out = {"spec/enabled_share": stats.enabled_share}
+    if stats.guard_tripped is not None:  # batch-size tiers decoding without SD (tlt.rollout.guard)
+        out["spec/guard_tripped"] = float(stats.guard_tripped)
     if stats.accept_len is None:
         return out
     out["spec/accept_len/mean"] = stats.accept_len

@@ -205,6 +205,10 @@ class RolloutConfig(Stage):
                                   "where drafting does not pay for itself)")
     tuner_ngram_arms: bool = Field(True, description="The bandit may also choose model-free n-gram drafts (arms with "
                                    "source ngram) in a bucket, next to the trained drafter's")
+    guard_patience: int = Field(3, ge=0, description="Spec guard: a batch-size tier (tuner_buckets) whose rollouts "
+                                "accept fewer tokens per SD round than its break-even (an SD round's time over a plain "
+                                "step's, measured in the same rollout) this many times in a row decodes without SD "
+                                "until the drafter changes (spec/guard_tripped counts such tiers; 0 = never)")
     group_drafts: bool = Field(True, description="N-gram drafts also look up the other samples of the sequence's GRPO "
                                "group (finished ones included) and earlier rollouts of the same prompt")
     history_per_prompt: int = Field(8, ge=0, description="Earlier responses kept per prompt for n-gram drafts "

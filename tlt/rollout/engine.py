@@ -19,11 +19,12 @@ import torch
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
 from tlt.rollout.calibrate import Calibrator
+from tlt.rollout.guard import SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
 from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
 from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
-from tlt.rollout.weights import RolloutCopy
+from tlt.rollout.weights import RolloutCopy, fingerprint
 
 
 class RolloutEngine:
@@ -49,6 +50,9 @@ class RolloutEngine:
         self.ngram = NgramDrafter()
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
+        self.guard = SpecGuard.from_config(cfg)  # per-tier SD switch-off below break-even (tlt.rollout.guard)
+        self._drafter_seen = fingerprint(self.drafter_master) if self.drafter_master is not None else None
+        self.probe_metrics = self._probe_copy() if self.drafter_copy is not None else {}
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
@@ -96,8 +100,7 @@ class RolloutEngine:
         cfg = self.cfg
         if self.copy is not None:
             self.copy.refresh(self.master)
-        if self.drafter_copy is not None:
-            self.drafter_copy.refresh(self.drafter_master)
+        self._sync_drafter()
         opts = dict(max_new=max_new_tokens or cfg.max_new_tokens,
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
@@ -116,6 +119,8 @@ class RolloutEngine:
         self._retire(st, outs)
         self._decode(st, opts, gen, outs, use_spec, threshold, on_tail)
         outs.stats.time_s = time.perf_counter() - t0
+        if self.cfg.guard_patience and use_spec:
+            outs.stats.guard_tripped = self.guard.observe(outs.steps)
         outs.stats.target_forwards = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
         for p, r in zip(batch.prompt_ids, batch.response_ids):
@@ -123,6 +128,29 @@ class RolloutEngine:
         if outs.capture is not None:
             batch.features = outs.capture.sequences(prompts, group_size, batch.response_ids)
         return batch
+
+    def _sync_drafter(self) -> None:
+        """New drafter weights (a refresh, a spot-trainer load, a checkpoint): rounded into the
+        rollout-dtype copy, which must then pass the guard's probe, and the spec guard re-armed."""
+        if self.drafter_master is None:
+            return
+        if self.drafter_copy is not None:
+            changed = self.drafter_copy.refresh(self.drafter_master)
+            if changed:
+                self.probe_metrics = self._probe_copy()
+        else:
+            seen = fingerprint(self.drafter_master)
+            changed, self._drafter_seen = seen != self._drafter_seen, seen
+        if changed:
+            self.guard.rearm()
+
+    def _probe_copy(self) -> dict[str, float]:
+        """The drafter copy computes its master's logits on the guard's probe (tlt.rollout.guard), within
+        the copy dtype's tolerance, or DrafterMismatch."""
+        probe = probe_inputs(self.drafter_master)
+        dtype = str(self.drafter_copy.dtype).removeprefix("torch.")
+        return check_probe(probe_logits(self.drafter_master, probe), probe_logits(self.drafter, probe), dtype,
+                           "the torch engine's drafter copy")
 
     def sync(self, model=None) -> dict[str, float]:
         """Nothing to send when this engine decodes with the policy module itself (see tlt.rl.step);
@@ -140,6 +168,7 @@ class RolloutEngine:
         """Decode until every row finished: plain steps, SD rounds once <= threshold rows ran for
         more than `spec_patience` steps; `on_tail(n_running)` once when the tail starts."""
         in_tail, below = False, 0
+        guard = self.guard if self.cfg.guard_patience else None  # 0: off (also measure_accept's fixed chain)
         while st.size > 0:
             n_run = st.size
             below = below + 1 if n_run <= threshold else 0
@@ -148,10 +177,11 @@ class RolloutEngine:
                 if on_tail is not None:
                     on_tail(n_run)
             t_step = time.perf_counter()
-            if use_spec and below > self.cfg.spec_patience:
+            if use_spec and below > self.cfg.spec_patience and (guard is None or guard.allows(n_run)):
                 self._spec_step(st, opts, gen, outs)
             else:
                 self._plain_step(st, opts, gen, outs)
+                outs.steps.plain(time.perf_counter() - t_step)
             if n_run <= threshold:
                 outs.stats.tail_time_s += time.perf_counter() - t_step
             self._retire(st, outs)
@@ -220,6 +250,10 @@ class RolloutEngine:
         else:
             produced = spec_round(self, st, strategy, opts, gen, outs)
         dt = time.perf_counter() - t0
+        if strategy.plain:
+            outs.steps.plain(dt)
+        else:
+            outs.steps.spec(self.guard.tier_of(bsz), dt, bsz, produced)
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
             outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
@@ -282,7 +316,7 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     """Accept length with the tuner OFF and one fixed, named strategy (default: a depth-4 chain).
 
     Every round of every prompt is a speculative round of `strategy` (threshold >= batch, no
-    patience, no confidence pruning), so the number depends on the drafter and the prompts only,
+    patience, no confidence pruning, no spec guard), so the number depends on the drafter and the prompts only,
     not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
     per-row accept length does not depend on the batch); the engine's config, tuner and prompt
     history are restored afterwards (an n-gram strategy sees no earlier answers of the prompts).
@@ -295,7 +329,7 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     old_history = engine.history  # engines without n-gram drafts (vLLM) keep none
     if old_history is not None:
         engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
-    engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0,
+    engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0, "guard_patience": 0,
                                             "strategy": strategy, "draft_min_prob": 0.0,
                                             "draft_stop_below": 0.0})
     engine.tuner = None

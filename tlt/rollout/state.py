@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tlt.rollout.cache import SlotCache
+from tlt.rollout.guard import StepLog
 from tlt.rollout.stats import RolloutStats
 
 
@@ -99,6 +100,7 @@ class Outputs:
     stats: RolloutStats
     capture: object = None  # engine.Capture when generate(capture=...)
     group_size: int = 1     # sequence i belongs to GRPO group i // group_size
+    steps: StepLog = field(default_factory=StepLog)  # step timings for the spec guard
 
     @classmethod
     def empty(cls, n: int, max_new: int, device) -> "Outputs":

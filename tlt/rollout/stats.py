@@ -34,6 +34,8 @@ class RolloutStats:
     strategy: bucket -> arm index -> rounds played (tuner on; string keys, JSON-friendly).
     worker_idle_s: worker-seconds spent waiting for the slowest shard (sharded rollout only);
     workers: engines whose counters are in here; vllm: the vLLM worker's own counters (vLLM only).
+    guard_tripped: batch-size tiers whose SD the spec guard has switched off (tlt.rollout.guard;
+    None: SD was not asked for).
     """
     time_s: float = 0.0
     prefill_s: float = 0.0
@@ -53,6 +55,7 @@ class RolloutStats:
     worker_idle_s: float | None = None
     workers: int = 1
     vllm: dict | None = None
+    guard_tripped: int | None = None
 
     # ---- recording (torch engine) ----------------------------------------------------------
     def count_positions(self, drafted_depth: torch.Tensor, n_acc: torch.Tensor) -> None:
@@ -71,7 +74,7 @@ class RolloutStats:
     def merge(self, other: "RolloutStats") -> "RolloutStats":
         """Counters of two concurrent rollouts (shards): `SUMMED` and the position and strategy
         counters add up; `time_s` and `tail_time_s` are the longer of the two (the shards ran at
-        the same time); `worker_idle_s` adds up when either has one. `vllm` is not combined."""
+        the same time); `worker_idle_s` adds up when either has one; `guard_tripped` is the larger. `vllm` is not combined."""
         out = RolloutStats(**{k: getattr(self, k) + getattr(other, k) for k in SUMMED})
         out.time_s, out.tail_time_s = max(self.time_s, other.time_s), max(self.tail_time_s, other.tail_time_s)
         out.accepted_pos = _add_lists(self.accepted_pos, other.accepted_pos)
@@ -81,6 +84,8 @@ class RolloutStats:
                 per = out.strategy.setdefault(bucket, {})
                 for arm, n in arms.items():
                     per[arm] = per.get(arm, 0) + n
+        tripped = [t for t in (self.guard_tripped, other.guard_tripped) if t is not None]
+        out.guard_tripped = max(tripped) if tripped else None
         if self.worker_idle_s is not None or other.worker_idle_s is not None:
             out.worker_idle_s = (self.worker_idle_s or 0.0) + (other.worker_idle_s or 0.0)
         return out

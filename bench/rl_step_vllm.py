@@ -1,0 +1,105 @@
+"""vLLM arms of bench/rl_step.py: the same three tlt GRPO loops with `rollout.backend=vllm`.
+
+    vllm_plain    no SD, no drafter training
+    vllm_spec     tail SD (vLLM's batch-size schedule, the bandit per tier, the spec guard) and
+                  the spot trainer in the rollout's tail, its drafter reloaded in place
+    vllm_frozen   tail SD with the warm-start drafter only
+
+Run by bench/rl_step.py after its torch-engine arms whenever the vLLM venv exists (`--no-vllm`
+skips them), on the same config, prompts and seed, interleaved step by step like those (the order
+rotates every step). Means over steps 1..N-1 as there. Keys it adds to the result:
+step_s_vllm_{plain,spec,frozen}, rollout_s_vllm_{plain,spec}, rollout_speedup_vllm (vLLM plain over
+vLLM tail SD, rollout), speedup_vllm_vs_torch_plain (the torch engine's plain step over the best
+vLLM step), speedup_vllm_vs_torch (best torch-engine step over best vLLM step), greedy identity with
+SD forced on vs off on vLLM, and the engines' rebuild count (0 expected); `speedup_vs_trl` becomes
+TRL's step over the best tlt step of any arm.
+"""
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+ARMS = {"plain": "vllm_plain", "adaptive": "vllm_spec", "frozen": "vllm_frozen"}  # rl_step's mode -> arm
+
+
+def available() -> bool:
+    """A vLLM interpreter exists ($TLT_VLLM_PYTHON or .venv-vllm), as the backend looks for one."""
+    from tlt.rollout.vllm_backend import VllmUnavailable, vllm_python
+
+    try:
+        vllm_python()
+    except VllmUnavailable:
+        return False
+    return True
+
+
+def run_vllm(config: str | None, overrides: list[str], steps: int, out_dir: Path) -> dict:
+    """The three vLLM runs, interleaved step by step; per-arm step records and end results."""
+    rl = harness.load("rl_step")
+    extra = list(overrides) + ["rollout.backend=vllm", "rollout.workers=1"]
+    runs: dict = {ARMS[m]: {"steps": [], "rebuilds": 0.0, "guard_tripped": 0.0} for m in ARMS}
+
+    def on_step(m, step, summary):
+        run = runs[ARMS[m]]
+        run["steps"].append(rl.step_record(summary))
+        run["rebuilds"] = max(run["rebuilds"], summary.metrics.get("rollout/vllm_rebuilds", 0.0))
+        run["guard_tripped"] = max(run["guard_tripped"], summary.metrics.get("spec/guard_tripped", 0.0))
+        print(f"step {step} {ARMS[m]:>11}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
+              f"accept {summary.accept_len or 0:.2f}", flush=True)
+
+    cfgs = {m: rl.mode_config(config, extra, m, steps, out_dir / "vllm") for m in ARMS}
+    with harness.pipelines(cfgs) as pipes:
+        runs["same_warmstart_drafter"] = rl.shared_warmstart(pipes)
+        harness.interleave(pipes, steps, on_step)
+        for m in ("adaptive", "frozen"):
+            same, ev = rl.greedy_identical(pipes[m], steps)
+            runs[ARMS[m]].update(eval=ev, greedy_identical=same)
+    del pipes
+    gc.collect()
+    return runs
+
+
+def merge(res: dict, runs: dict | None) -> dict:
+    """Add the vLLM keys to bench/rl_step.py's result `res` (None: the vLLM arms did not run)."""
+    mean = harness.mean_excluding_first
+    torch_steps = [res["step_s_plain"], res["step_s_spec"], res["step_s_frozen"]]
+    best = min(torch_steps)
+    if runs is not None:
+        step = {a: mean([s["step_s"] for s in runs[a]["steps"]]) for a in ARMS.values()}
+        roll = {a: mean([s["rollout_s"] for s in runs[a]["steps"]]) for a in ARMS.values()}
+        best_vllm = min(step.values())
+        res.update({"step_s_vllm_plain": step["vllm_plain"], "step_s_vllm_spec": step["vllm_spec"],
+                    "step_s_vllm_frozen": step["vllm_frozen"], "rollout_s_vllm_plain": roll["vllm_plain"],
+                    "rollout_s_vllm_spec": roll["vllm_spec"], "rollout_s_vllm_frozen": roll["vllm_frozen"],
+                    "rollout_speedup_vllm": roll["vllm_plain"] / roll["vllm_spec"],
+                    "speedup_vllm_vs_torch_plain": res["step_s_plain"] / best_vllm,
+                    "speedup_vllm_vs_torch": best / best_vllm,
+                    "vllm_rebuilds": max(runs[a]["rebuilds"] for a in ARMS.values()),
+                    "vllm_guard_tripped": max(runs[a]["guard_tripped"] for a in ARMS.values()),
+                    "vllm_greedy_eval_identical": bool(runs["vllm_spec"]["greedy_identical"]
+                                                       and runs["vllm_frozen"]["greedy_identical"]),
+                    "vllm_same_warmstart_drafter": runs["same_warmstart_drafter"],
+                    "vllm": {a: runs[a] for a in ARMS.values()}})
+        best = min(best, best_vllm)
+    if res.get("trl"):
+        res["speedup_vs_trl"] = res["trl"]["step_s"] / best  # the best tlt step of any arm
+    res["speedup_vs_trl_what"] = "TRL's GRPOTrainer step over the best tlt step (torch-engine and vLLM arms)"
+    return res
+
+
+def print_lines(res: dict) -> None:
+    if "step_s_vllm_plain" not in res:
+        return
+    print(f"vLLM: step plain {res['step_s_vllm_plain']:.1f} s, tail SD {res['step_s_vllm_spec']:.1f} s, frozen "
+          f"{res['step_s_vllm_frozen']:.1f} s; rollout x{res['rollout_speedup_vllm']:.2f} (tail SD over plain); "
+          f"best vLLM step vs torch plain x{res['speedup_vllm_vs_torch_plain']:.2f}, vs best torch "
+          f"x{res['speedup_vllm_vs_torch']:.2f}; rebuilds {res['vllm_rebuilds']:.0f}; greedy identical "
+          f"{res['vllm_greedy_eval_identical']}")
+
+
+if __name__ == "__main__":
+    raise SystemExit("run bench/rl_step.py: it runs these arms after its own")
