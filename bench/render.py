@@ -114,12 +114,55 @@ def status_block(results: dict, prefix: str) -> str:
                     f"(fp32), {x(sd_ratio(r, 'bf16'))} (bf16) | {where} | {r['machine']} | {link} |")
         rows.append(f"| drafter accept length after warm-start (greedy, fp32) | {r['accept_len_fp32']:.2f} tokens "
                     f"per verify | {where} | {r['machine']} | {link} |")
+    for n, r in results.items():
+        if suite(r) != "rl_step":
+            continue
+        link, where = f"[{n}.json]({prefix}/{n}.json)", f"`{recipe(r)}`"
+        rows.append(f"| SD in the whole RL step, frozen / spot-trained drafter vs plain (torch engine) | "
+                    f"{x(r['speedup_frozen_vs_plain'])} / {x(r['speedup_vs_plain'])} | {where} | {r['machine']} | {link} |")
+        if r.get("speedup_vllm_vs_torch_plain"):
+            rows.append(f"| vLLM backend, best RL step vs the torch engine's plain step | "
+                        f"{x(r['speedup_vllm_vs_torch_plain'])} | {where} | {r['machine']} | {link} |")
+        if r.get("step_s_trl"):
+            rows.append(f"| best tlt RL step vs TRL's GRPOTrainer, same precision | **{x(r['speedup_vs_trl'])}** "
+                        f"faster | {where} | {r['machine']} | {link} |")
     rows.append(f"| GPU rollout and training speed | {NOT_MEASURED} | | GPU | [GPU guide](docs/gpu.md) |")
-    rows.append(f"| vLLM rollout backend speed | {NOT_MEASURED} | | | [vLLM backend](docs/vllm.md) |")
     return "\n".join(rows)
 
 
-BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "status": status_block}
+RL_STEP_ROWS = [  # (label, cell from one rl_step result)
+    ("RL step, torch engine: plain / SD + spot trainer / SD + frozen drafter",
+     lambda r: f"{r['step_s_plain']:.1f} / {r['step_s_spec']:.1f} / {r['step_s_frozen']:.1f} s "
+               f"({x(r['speedup_vs_plain'])} / {x(r['speedup_frozen_vs_plain'])} vs plain)"),
+    ("rollout in the step, SD + spot / SD + frozen vs plain",
+     lambda r: f"{x(r['rollout_speedup'])} / {x(r['rollout_speedup_frozen'])}"),
+    ("RL step, vLLM backend: plain / tail SD + spot / tail SD + frozen",
+     lambda r: f"{r['step_s_vllm_plain']:.1f} / {r['step_s_vllm_spec']:.1f} / {r['step_s_vllm_frozen']:.1f} s, "
+               f"{r['vllm_rebuilds']:.0f} rebuilds" if r.get("step_s_vllm_plain") else NOT_MEASURED),
+    ("best vLLM step vs torch plain / vs best torch step",
+     lambda r: f"{x(r['speedup_vllm_vs_torch_plain'])} / {x(r['speedup_vllm_vs_torch'])}"
+     if r.get("speedup_vllm_vs_torch") else NOT_MEASURED),
+    ("TRL GRPOTrainer step (same precision) / best tlt step",
+     lambda r: f"{r['step_s_trl']:.1f} s, tlt {x(r['speedup_vs_trl'])} faster" if r.get("step_s_trl") else NOT_MEASURED),
+    ("greedy held-out eval identical with SD on and off: torch / vLLM",
+     lambda r: f"{r['greedy_eval_identical']} / {r.get('vllm_greedy_eval_identical', '–')}"),
+    ("reward curves SD + spot vs plain, paired permutation test", lambda r: f"p = {r['parity_p_value']:.3f}"),
+]
+
+
+def rl_step_block(results: dict, prefix: str) -> str:
+    """bench/rl_step.py: whole RL steps per arm, the vLLM arms and TRL's GRPOTrainer."""
+    runs = {n: r for n, r in results.items() if suite(r) == "rl_step"}
+    if not runs:
+        return f"Whole RL steps: {NOT_MEASURED}."
+    head = "| arm | " + " | ".join(f"[`{recipe(r)}`]({prefix}/{n}.json)" for n, r in runs.items()) + " |"
+    rows = [head, "|---|" + "---|" * len(runs)]
+    rows += [f"| {label} | " + " | ".join(cell(r) for r in runs.values()) + " |" for label, cell in RL_STEP_ROWS]
+    return "\n".join(rows) + "\n\nMeans over steps 1..N-1; machines and commands in the index above."
+
+
+BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
+          "status": status_block}
 
 
 # ---------------------------------------------------------------- pages
