@@ -74,15 +74,21 @@ def sd_ratio(r: dict, arm: str) -> float:
     return r["rollout_tok_s"][f"{arm}_sd"] / r["rollout_tok_s"][f"{arm}_plain"]
 
 
+def recipe_table(runs: dict, corner: str, spec: list, prefix: str) -> str:
+    """One column per result file (headed by its recipe, linked), one row per (label, cell) of `spec`."""
+    head = f"| {corner} | " + " | ".join(f"[`{recipe(r)}`]({prefix}/{n}.json)" for n, r in runs.items()) + " |"
+    rows = [head, "|---|" + "---|" * len(runs)]
+    rows += [f"| {label} | " + " | ".join(cell(r) for r in runs.values()) + " |" for label, cell in spec]
+    return "\n".join(rows)
+
+
 def precision_block(results: dict, prefix: str) -> str:
     runs = {n: r for n, r in results.items() if suite(r) == "precision"}
     if not runs:
         return f"fp32 against bf16-mixed: {NOT_MEASURED}."
-    head = "| fp32 → bf16-mixed | " + " | ".join(f"[`{recipe(r)}`]({prefix}/{n}.json)" for n, r in runs.items()) + " |"
-    rows = [head, "|---|" + "---|" * len(runs)]
-    rows += [f"| {label} | " + " | ".join(cell(r) for r in runs.values()) + " |" for label, cell in PRECISION_ROWS]
     steps = ", ".join(f"`{recipe(r)}` {r['steps']} steps" for r in runs.values())
-    return "\n".join(rows) + f"\n\nMeans over steps 1..N-1 ({steps}); machines and commands in the index above."
+    return recipe_table(runs, "fp32 → bf16-mixed", PRECISION_ROWS, prefix) + \
+        f"\n\nMeans over steps 1..N-1 ({steps}); machines and commands in the index above."
 
 
 def parity_block(results: dict, prefix: str) -> str:
@@ -155,10 +161,8 @@ def rl_step_block(results: dict, prefix: str) -> str:
     runs = {n: r for n, r in results.items() if suite(r) == "rl_step"}
     if not runs:
         return f"Whole RL steps: {NOT_MEASURED}."
-    head = "| arm | " + " | ".join(f"[`{recipe(r)}`]({prefix}/{n}.json)" for n, r in runs.items()) + " |"
-    rows = [head, "|---|" + "---|" * len(runs)]
-    rows += [f"| {label} | " + " | ".join(cell(r) for r in runs.values()) + " |" for label, cell in RL_STEP_ROWS]
-    return "\n".join(rows) + "\n\nMeans over steps 1..N-1; machines and commands in the index above."
+    return recipe_table(runs, "arm", RL_STEP_ROWS, prefix) + \
+        "\n\nMeans over steps 1..N-1; machines and commands in the index above."
 
 
 BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
