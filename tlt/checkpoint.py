@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tlt.atomic import fsync_dir, staged_dir
+from tlt.device import to_cpu
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,9 @@ def save_checkpoint(root: Path, step: int, tensors: dict[str, dict[str, torch.Te
 
 
 def torch_blob(obj: Any) -> Callable[[Path], None]:
-    """A blob writer that `torch.save`s `obj` (tensors, numbers, strings, containers only)."""
+    """A blob writer that `torch.save`s `obj` (tensors, numbers, strings, containers only), its
+    tensors copied to the CPU now (an optimizer state on a GPU loads on any machine)."""
+    obj = to_cpu(obj)
     return lambda path: torch.save(obj, path)
 
 

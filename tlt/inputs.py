@@ -159,10 +159,30 @@ def check_folder_target(path: str | Path, what: str) -> None:
         raise UserError(f"{what} '{p}' is a file, not a folder; choose a folder path.")
 
 
+def check_device(cfg) -> None:
+    """`trainer.device` names hardware this machine has: cuda needs a CUDA device (the config check
+    passes it anywhere, so that GPU recipes validate on a laptop); cpu with DeepSpeed on a GPU machine
+    needs DS_ACCELERATOR=cpu, as DeepSpeed otherwise places the model on the GPU itself."""
+    device, deepspeed = cfg.trainer.device, cfg.trainer.backend == "deepspeed"
+    if device == "auto" or (device == "cpu" and not deepspeed):
+        return
+    import torch  # deferred: only these two settings need it
+
+    if device == "cuda" and not torch.cuda.is_available():
+        from tlt.device import no_cuda_message  # deferred with torch
+
+        raise UserError(no_cuda_message())
+    if device == "cpu" and torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "") != "cpu":
+        raise UserError("trainer.device: cpu with trainer.backend: deepspeed on a machine with a GPU: DeepSpeed "
+                        "picks its accelerator itself and would move the policy to the GPU. Set the environment "
+                        "variable DS_ACCELERATOR=cpu for the run, or trainer.device: auto (the update on the GPU).")
+
+
 def check_run_inputs(cfg, resume: str | None = None) -> str | None:
     """Every id, path and name of a run config (plus `--resume`), before anything starts; returns
     the full id of the run to resume (a prefix is resolved), or None."""
     check_model(cfg.model.name_or_path)
+    check_device(cfg)
     if cfg.data.path:
         check_data_file(cfg.data.path)
     check_folder_target(cfg.trainer.checkpoint_dir, "trainer.checkpoint_dir")

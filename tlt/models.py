@@ -196,12 +196,13 @@ def _short(err: Exception) -> str:
     return str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
 
 
-def load_target(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target policy and its tokenizer: dtype from cfg, eval mode, pad token set."""
+def load_target(cfg: ModelConfig, device: torch.device | str = "cpu") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target policy on `device` (a run passes `tlt.device.resolve_device(trainer.device)`) and
+    its tokenizer: dtype from cfg, eval mode, pad token set. Weights are read on the CPU, then moved."""
     dtype = getattr(torch, cfg.dtype)
     arch = _tiny_arch(cfg)
     if arch:
-        model = tiny_model(arch, cfg.tiny_layers, cfg.tiny_hidden, cfg.tiny_vocab).to(dtype)
+        model = tiny_model(arch, cfg.tiny_layers, cfg.tiny_hidden, cfg.tiny_vocab).to(device=device, dtype=dtype)
         return model.eval(), tiny_tokenizer()
     tok = load_tokenizer(cfg)
     src, kw = _source(cfg)
@@ -214,7 +215,7 @@ def load_target(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     model.config.pad_token_id = tok.pad_token_id
     if model.generation_config is not None:
         model.generation_config.pad_token_id = tok.pad_token_id
-    return model.eval(), tok
+    return model.to(device).eval(), tok
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel | None = None) -> list[int]:

@@ -17,6 +17,7 @@ from tlt.config import RunConfig, dump_yaml, flatten
 from tlt.corpus import build_corpus
 from tlt.data import load_dataset
 from tlt.data import prompt_ids as encode_prompt
+from tlt.device import resolve_device
 from tlt.drafter.model import build_drafter
 from tlt.drafter.refresh import DrafterRefresher
 from tlt.drafter.spot import SpotTrainer
@@ -68,7 +69,7 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
 
 class Pipeline:
     def __init__(self, cfg: RunConfig, tracker=None, retrain: bool = False):
-        cfg, self.precision_notes = resolve_run(cfg)  # 'auto' precisions made concrete for this hardware
+        cfg, self.precision_notes = resolve_run(cfg, resolve_device(cfg.trainer.device))  # 'auto' precisions made concrete for this hardware
         self.cfg, self.retrain = cfg, retrain
         self.tracker = tracker or NullTracker()
         name = tracker.run_id if tracker is not None and tracker.run_id else cfg.name
@@ -141,7 +142,7 @@ class Pipeline:
     # -- stage 2: models -----------------------------------------------------------------------
     def prepare(self) -> ModelSummary:
         t0 = time.perf_counter()
-        self.model, self.tokenizer = load_target(self.cfg.model)
+        self.model, self.tokenizer = load_target(self.cfg.model, resolve_device(self.cfg.trainer.device))
         if self.retrain:
             self._load_champion_policy()
         self.eos_ids = eos_token_ids(self.tokenizer, self.model)

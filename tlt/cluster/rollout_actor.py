@@ -22,6 +22,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from tlt.cluster.placement import RayPlacement
 from tlt.config import RolloutConfig
+from tlt.device import to_cpu
 from tlt.drafter.model import Eagle3Drafter
 from tlt.faults import fault
 from tlt.rollout.engine import RolloutEngine
@@ -123,7 +124,7 @@ class RayRolloutPool:
         weights = {"policy": self._model.state_dict()}
         if self._drafter is not None:
             weights["drafter"] = self._drafter.state_dict()
-        self._ref, self._sig = ray.put(weights), sig
+        self._ref, self._sig = ray.put(to_cpu(weights)), sig  # actors load CPU tensors onto their own device
         for ref in [a.load.remote(self.version, self._ref) for a in self.actors]:
             try:
                 ray.get(ref)

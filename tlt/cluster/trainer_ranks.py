@@ -18,6 +18,7 @@ import torch
 
 from tlt.cluster.placement import RayPlacement
 from tlt.config import RLConfig, TrainerConfig
+from tlt.device import resolve_device, to_cpu
 from tlt.rl.logprobs import ForwardOut
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch
 from tlt.services import free_port
@@ -31,9 +32,10 @@ class TrainerRank:
     def __init__(self, rank: int, model_cls, model_config, rl_json: str, trainer_json: str, threads: int):
         torch.set_num_threads(threads)
         self.rank = rank
-        self.model = model_cls(model_config)
-        self.updater = DeepSpeedUpdater(self.model, RLConfig.model_validate_json(rl_json),
-                                        TrainerConfig.model_validate_json(trainer_json))
+        trainer = TrainerConfig.model_validate_json(trainer_json)
+        # Ray shows a GPU rank its one device (cuda:0), a rank without GPUs none: auto follows that
+        self.model = model_cls(model_config).to(resolve_device(trainer.device))
+        self.updater = DeepSpeedUpdater(self.model, RLConfig.model_validate_json(rl_json), trainer)
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, free port) of this rank's node: rank 0 hosts the process group's store."""
@@ -49,7 +51,7 @@ class TrainerRank:
         forwards = []
 
         def on_forward(start: int, mb: PolicyBatch, out: ForwardOut) -> None:  # back to the driver, on its CPU
-            forwards.append((start, mb, ForwardOut(*(None if t is None else t.cpu() for t in (
+            forwards.append((start, mb.to("cpu"), ForwardOut(*(None if t is None else t.cpu() for t in (
                 out.logp, out.entropy, out.aux, out.last_hidden)))))
 
         on_forward = on_forward if want_forwards else None
@@ -104,7 +106,7 @@ class RayDeepSpeedUpdater:
                                               self.trainer.model_dump_json(), max(1, int(c.trainer_cpus)))
                       for r in range(self.world_size)]
         addr, port = ray.get(self.ranks[0].rendezvous.remote())
-        weights = ray.put(self.model.state_dict())
+        weights = ray.put(to_cpu(self.model.state_dict()))  # the driver's policy may sit on its GPU
         ray.get([r.join.remote(self.world_size, addr, port, c.trainer_gpus > 0, weights) for r in self.ranks])
         return self.ranks
 
@@ -112,7 +114,7 @@ class RayDeepSpeedUpdater:
         """One data-parallel optimizer step on the whole batch; same metrics as world size 1."""
         ranks = self._ensure_ranks()
         n, per = len(batch), -(-len(batch) // self.world_size)
-        padded = _pad_rows(batch, per * self.world_size)  # equal shards: every rank runs the same collectives
+        padded = _pad_rows(batch, per * self.world_size).to("cpu")  # equal shards: every rank runs the same collectives
         denom = float(batch.response_mask.sum().clamp(min=1)) / self.world_size
         results = ray.get([r.step.remote(padded.slice(i * per, (i + 1) * per), aux_layer_ids, on_forward is not None,
                                          denom) for i, r in enumerate(ranks)])
@@ -138,8 +140,8 @@ class RayDeepSpeedUpdater:
         if state.get("world_size") != self.world_size:
             raise ValueError(f"the checkpoint's optimizer state is from trainer.world_size={state.get('world_size')}"
                              f" (ZeRO partitions it per rank); resume with that world size, not {self.world_size}")
-        weights = ray.put(self.model.state_dict())
-        states = ray.put(state["ranks"])
+        weights = ray.put(to_cpu(self.model.state_dict()))
+        states = ray.put(to_cpu(state["ranks"]))
         ray.get([r.load.remote(weights, states) for r in self._ensure_ranks()])
 
     def close(self) -> None:

@@ -11,6 +11,13 @@ from pydantic import Field, field_validator
 from tlt.config.base import Stage
 
 
+TrainDevice = Literal["auto", "cpu", "cuda"]
+DEVICE_FIELD = Field("auto", description="Where the policy (and the drafter beside it) lives and is updated: auto = "
+                     "the GPU where torch sees one, else the CPU; cuda is refused before the run starts on a machine "
+                     "without one. On Ray every trainer rank (trainer.world_size > 1) uses the GPU Ray gave it "
+                     "(cluster.trainer_gpus)")
+
+
 class VllmConfig(Stage):
     enforce_eager: bool | Literal["auto"] = Field(
         "auto", description="Decode without CUDA graphs or torch.compile (auto: eager on CPU, where compiling "
@@ -54,9 +61,18 @@ class ClusterConfig(Stage):
                          "'ray://HOST:PORT' (Ray client) or 'HOST:PORT' (the GCS of a cluster)")
 
 
-def placement_checks(c: ClusterConfig, ws: int, rollout_backend: str, v: VllmConfig) -> None:
-    """`cluster.backend: ray`: the placement's cross-checks (a ValueError naming the fix)."""
-    vllm = rollout_backend == "vllm"
+def placement_checks(c: ClusterConfig, trainer, rollout_backend: str, v: VllmConfig) -> None:
+    """`cluster.backend: ray`: the placement's cross-checks (a ValueError naming the fix); `trainer`
+    is the run's TrainerConfig."""
+    vllm, ws = rollout_backend == "vllm", trainer.world_size
+    if ws > 1 and trainer.device == "cuda" and not c.trainer_gpus:
+        raise ValueError("trainer.device: cuda puts each trainer rank on a GPU, but cluster.trainer_gpus is 0 (Ray "
+                         "gives the ranks none): set cluster.trainer_gpus (e.g. 1, or 0.5 colocated), or "
+                         "trainer.device: auto")
+    if ws > 1 and trainer.device == "cpu" and c.trainer_gpus:
+        raise ValueError(f"trainer.device: cpu keeps the trainer ranks on their CPUs, but cluster.trainer_gpus = "
+                         f"{c.trainer_gpus:g} reserves GPUs for them that they would not use: set "
+                         "cluster.trainer_gpus: 0, or trainer.device: auto")
     if c.placement == "colocated" and ws > 1 and c.rollout_actors != ws:
         raise ValueError(f"cluster.placement: colocated puts trainer rank i on rollout actor i's bundle, but there "
                          f"are {c.rollout_actors} actors for {ws} ranks: set cluster.rollout_actors: {ws}, or "

@@ -13,7 +13,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from pydantic import Field, field_validator, model_validator
 
 from tlt.config.base import Stage
-from tlt.config.cluster import ClusterConfig, VllmConfig, placement_checks
+from tlt.config.cluster import DEVICE_FIELD, ClusterConfig, TrainDevice, VllmConfig, placement_checks
 
 
 class ModelConfig(Stage):
@@ -247,6 +247,7 @@ class RLConfig(Stage):
 
 class TrainerConfig(Stage):
     backend: Literal["torch", "deepspeed"] = Field("torch", description="Policy update backend")
+    device: TrainDevice = DEVICE_FIELD
     world_size: int = Field(1, ge=1, le=1024, description="DeepSpeed ranks of the policy update (> 1: Ray actors "
                             "forming one process group, gloo on CPU; needs cluster.backend: ray and backend: deepspeed)")
     zero_stage: int = Field(0, ge=0, le=2, description="DeepSpeed ZeRO stage")
@@ -354,4 +355,4 @@ class RunConfig(Stage):
         if self.cluster.backend == "ray" and self.rollout.workers > 1:
             raise ValueError("cluster.backend: ray shards rollouts over cluster.rollout_actors; set rollout.workers: 1")
         if self.cluster.backend == "ray":
-            placement_checks(self.cluster, self.trainer.world_size, self.rollout.backend, self.rollout.vllm)
+            placement_checks(self.cluster, self.trainer, self.rollout.backend, self.rollout.vllm)

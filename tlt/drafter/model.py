@@ -306,7 +306,7 @@ def init_from_last_layer(drafter: Eagle3Drafter, target_model) -> None:
     layer = target_model.model.layers[-1]
     H, mid = drafter.hidden_size, drafter.midlayer
     drafter.fc.weight.zero_()
-    drafter.fc.weight[:, 2 * H:] = torch.eye(H)
+    drafter.fc.weight[:, 2 * H:] = torch.eye(H, device=drafter.fc.weight.device)
     for name in ("q_proj", "k_proj", "v_proj"):
         dst, src = getattr(mid.self_attn, name).weight, getattr(layer.self_attn, name).weight
         dst.zero_()

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 from tlt.checkpoint import load_checkpoint, load_pt, newest_verified, save_checkpoint, torch_blob
 from tlt.config import DrafterConfig
+from tlt.device import to_cpu
 from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.model import Eagle3Drafter
 from tlt.drafter.schedule import RefreshSchedule
@@ -144,11 +145,11 @@ class SpotTrainer:
         self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens, prompt_weight(cfg))
         self.rng = torch.Generator().manual_seed(seed)
         self._model = model
-        self._embed = model.get_input_embeddings().weight.detach().clone().share_memory_()
+        self._embed = model.get_input_embeddings().weight.detach().to("cpu", copy=True).share_memory_()  # CPU worker
         head = model.get_output_embeddings()
         self._tied = head is None or head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
-        self._head = self._embed if self._tied else head.weight.detach().clone().share_memory_()
-        self.state = {k: v.detach().clone().share_memory_() for k, v in drafter.state_dict().items()}
+        self._head = self._embed if self._tied else head.weight.detach().to("cpu", copy=True).share_memory_()
+        self.state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in drafter.state_dict().items()}
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
@@ -337,7 +338,7 @@ class SpotTrainer:
         self.cmd.put(("load",))
         if optim_state is not None:
             self.weights_step = int(optim_state["num_steps"])
-            self._optim = optim_state
+            self._optim = optim_state = to_cpu(optim_state)  # the worker trains on the CPU
             self.cmd.put(("load_optim", optim_state))
 
     def close(self) -> None:

@@ -51,7 +51,7 @@ def weight_prompt(sample: Sample, prompt_weight: float) -> Sample:
         return sample
     resp = sample["loss_mask"].bool()
     return {**sample, "loss_weight": torch.where(resp, 1.0, prompt_weight),
-            "loss_mask": torch.arange(resp.shape[0]) >= 1}
+            "loss_mask": torch.arange(resp.shape[0], device=resp.device) >= 1}
 
 
 # ---- packing -----------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def _shift(sample: Sample) -> dict[str, Tensor]:
         "aux": sample["aux"],                                                      # aux_t
         "target_hidden": torch.cat([th[1:], th.new_zeros(1, th.shape[1])]),        # target_hidden_{t+1}
         "loss_mask": torch.cat([mask[2:], mask.new_zeros(min(2, T))])[:T],         # token_{t+2} is response
-        "position_ids": torch.arange(T),
+        "position_ids": torch.arange(T, device=ids.device),
     }
 
 
@@ -149,8 +149,8 @@ def ttt_mask(seq_ids: Tensor, step: int) -> Tensor:
     """
     L = seq_ids.shape[1]
     same = (seq_ids.unsqueeze(2) == seq_ids.unsqueeze(1)) & (seq_ids >= 0).unsqueeze(2)
-    diff = torch.arange(L).unsqueeze(1) - torch.arange(L).unsqueeze(0)  # p - q
-    diff = diff.to(seq_ids.device)
+    pos = torch.arange(L, device=seq_ids.device)
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)  # p - q
     blocks = [same & (diff >= step)]
     blocks += [same & (diff == step - j) for j in range(1, step + 1)]
     return torch.cat(blocks, dim=2)

@@ -35,9 +35,10 @@ class ForwardOut:
     last_hidden: Tensor | None = None  # [B,T,H] hidden_states[-1] (after the final norm)
 
 
-def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
-               pad_id: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Right-padded batch of prompt+response rows (layout in the module docstring).
+def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+               device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Right-padded batch of prompt+response rows (layout in the module docstring), on `device`
+    (filled row by row on the host, then moved in one copy per tensor).
 
     prompt_ids, response_ids: B lists of token ids (prompts non-empty).
     -> input_ids [B,T] long, attention_mask [B,T] long, response_mask [B,T] bool,
@@ -49,17 +50,18 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]],
         raise ValueError("make_batch: every prompt needs at least one token (position 0 has no log-prob)")
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
     b, t = len(lengths), max(lengths, default=0)
-    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, t), dtype=torch.long)
-    response_mask = torch.zeros((b, t), dtype=torch.bool)
-    position_ids = torch.zeros((b, t), dtype=torch.long)
+    host = "cpu"
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long, device=host)
+    attention_mask = torch.zeros((b, t), dtype=torch.long, device=host)
+    response_mask = torch.zeros((b, t), dtype=torch.bool, device=host)
+    position_ids = torch.zeros((b, t), dtype=torch.long, device=host)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         n = len(p) + len(r)
-        input_ids[i, :n] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        input_ids[i, :n] = torch.tensor(list(p) + list(r), dtype=torch.long, device=host)
         attention_mask[i, :n] = 1
         response_mask[i, len(p):n] = True
-        position_ids[i, :n] = torch.arange(n)
-    return input_ids, attention_mask, response_mask, position_ids
+        position_ids[i, :n] = torch.arange(n, device=host)
+    return tuple(x.to(device) for x in (input_ids, attention_mask, response_mask, position_ids))
 
 
 def forward_logprobs(model, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor,

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from tlt.device import module_device
 from tlt.faults import fault
 from tlt.metrics import rollout_metrics
 from tlt.precision import autocast
@@ -121,7 +122,7 @@ def reward_metrics(rewards: list[float], tasks: list[str], group_ids: list[int])
     for task in sorted(set(tasks)):
         sel = np.asarray([t == task for t in tasks])
         out[f"reward/{task}/mean"] = float(r[sel].mean())
-    zero = zero_std_groups(torch.tensor(r), torch.tensor(group_ids))
+    zero = zero_std_groups(torch.tensor(r, device="cpu"), torch.tensor(group_ids, device="cpu"))  # metrics only
     out["reward/frac_zero_std"] = float(zero.float().mean())
     return out
 
@@ -186,7 +187,7 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
     ids, attn, resp, pos = tensors
     aux_ids = ctx.refresher.aux_layer_ids if ctx.refresher else None
     fused = fuses_old_logprob(ctx.cfg)
-    rows = torch.arange(len(ids))
+    rows = torch.arange(len(ids), device=ids.device)
     separate = rows if not fused else (rows[~keep] if ctx.refresher else rows[:0])
     old_logp = None
     metrics: dict[str, float] = {}
@@ -229,10 +230,12 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
         with timer("update_drafter"):
             metrics.update(ctx.refresher.after_rollout())
     texts, rewards, tasks = _rewards(ctx, rows, batch, timer)
-    group_ids = torch.tensor(batch.group_index)
-    adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids)
-    keep = ~zero_std_groups(torch.tensor(rewards), group_ids) if cfg.rl.filter_zero_std else torch.ones_like(adv, dtype=torch.bool)
-    ids, attn, resp, pos = make_batch(batch.prompt_ids, batch.response_ids, ctx.tokenizer.pad_token_id)
+    dev = module_device(ctx.model)  # the batch, its advantages and its row selections live with the policy
+    group_ids = torch.tensor(batch.group_index, device=dev)
+    r = torch.tensor(rewards, dtype=torch.float32, device=dev)
+    adv = group_advantages(r, group_ids)
+    keep = ~zero_std_groups(r, group_ids) if cfg.rl.filter_zero_std else torch.ones_like(adv, dtype=torch.bool)
+    ids, attn, resp, pos = make_batch(batch.prompt_ids, batch.response_ids, ctx.tokenizer.pad_token_id, dev)
     metrics.update(ctx.engine.sleep())  # vLLM sleep mode: its GPU memory goes to the update, `sync` wakes it
     metrics.update(_update(ctx, step, (ids, attn, resp, pos), adv, keep, timer))
     if ctx.refresher:  # sequential refresh (when not spot-trained)

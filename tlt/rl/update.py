@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from tlt.config import RLConfig, RunConfig, TrainerConfig
+from tlt.device import module_device
 from tlt.precision import autocast
 from tlt.rl.grpo import kl_k3, masked_mean, policy_loss
 from tlt.rl.logprobs import ForwardOut, forward_logprobs
@@ -54,6 +55,11 @@ class PolicyBatch:
         def cut(t: Tensor | None) -> Tensor | None:
             return None if t is None else t[start:stop]
         return PolicyBatch(*(cut(getattr(self, f)) for f in self.__dataclass_fields__))
+
+    def to(self, device: torch.device | str) -> "PolicyBatch":
+        """Every tensor on `device` (no copy for those already there)."""
+        return PolicyBatch(*(None if t is None else t.to(device) for t in (getattr(self, f)
+                                                                          for f in self.__dataclass_fields__)))
 
     def trimmed(self) -> "PolicyBatch":
         """Drop trailing columns that are padding in every row (right padding: a micro-batch of
@@ -145,11 +151,12 @@ def _accumulate(model, batch: PolicyBatch, rl: RLConfig, micro: int, backward, b
     if denom is None:
         denom = float(batch.response_mask.sum().clamp(min=1))
     acc: dict[str, float] = {}
+    device = module_device(model)  # a batch built elsewhere (the driver, a Ray rank's caller) moves here
     starts = list(range(0, len(batch), micro))
     for i, start in enumerate(starts):
         if before_micro is not None:
             before_micro(i == len(starts) - 1)
-        mb = batch.slice(start, start + micro).trimmed()
+        mb = batch.slice(start, start + micro).trimmed().to(device)
         with autocast(precision, mb.input_ids.device):
             loss, stats, out = micro_batch_loss(model, mb, rl, denom, aux_layer_ids)
         backward(loss)
