@@ -18,6 +18,7 @@ import torch
 from tlt.checkpoint import load_checkpoint
 from tlt.config import load_config
 from tlt.device import module_device
+from tlt.drafter.spot import SpotTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -76,7 +77,8 @@ def test_rl_step_on_device_fp32_greedy_sd_lossless(tmp_path, device):
         assert _moved(pipe, before)
         _checkpoint_on_cpu(pipe)
         spot = pipe.refresher
-        assert all(t.device.type == "cpu" for t in getattr(spot, "state", {}).values())  # the spot worker's copy
+        assert isinstance(spot, SpotTrainer)  # smoke: the spot trainer, in a process of its own
+        assert all(t.device.type == "cpu" for t in (spot._embed, spot._head, *spot.state.values()))  # its copies
         prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"][:4])
         plain = pipe.generate_greedy(prompts, 16, sd="off")
         spec = pipe.generate_greedy(prompts, 16, sd="always")

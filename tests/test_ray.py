@@ -56,7 +56,12 @@ def test_actors_match_the_local_engine_and_report_the_new_version(setup):
     out = pool.generate(PROMPTS, group_size=2, spec=True, on_tail=tails.append)
     assert out.response_ids == ref.response_ids and out.prompt_ids == ref.prompt_ids
     assert out.group_index == ref.group_index == [i // 2 for i in range(12)]
-    assert tails == [1] and out.stats.workers == 2 and out.stats.spec_steps > 0
+    # each actor's engine is in its tail from the first step (threshold 100): the first to report it
+    # starts the driver's tail with its running rows (3 prompts x 2), before any shard is back
+    assert tails == [6] and out.stats.workers == 2 and out.stats.spec_steps > 0
+    no_tail = []  # engines that never reach a tail (threshold 0): the first shard back starts it
+    pool.generate(PROMPTS, spec=False, spec_threshold=0, on_tail=no_tail.append)
+    assert no_tail == [1]
     m = pool.sync(model)  # after an update: a new version, always (ZeRO writes are invisible to counters)
     assert m["cluster/weights_pushed"] == 1.0 and m["rollout/policy_version"] == 0 and pool.version == 1
     w = model.model.layers[1].mlp.down_proj.weight

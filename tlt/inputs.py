@@ -209,10 +209,11 @@ def check_resume_config(cfg, run_id: str) -> None:
     """A resumed run continues with the settings it started with: MLflow keeps one value per param,
     and the checkpoint holds state shaped by them."""
     from tlt.config import flatten
-    from tlt.precision import resolve_run  # deferred: torch ('auto' precisions are logged resolved)
+    from tlt.device import resolve_device  # deferred: torch ('auto' precisions are logged resolved)
+    from tlt.precision import resolve_run
 
     logged = tracking.read_run(run_id, cfg.tracking.tracking_uri)["params"]
-    mine = flatten(resolve_run(cfg)[0])
+    mine = flatten(resolve_run(cfg, resolve_device(cfg.trainer.device))[0])  # as the pipeline logs them
     changed = [f"{k}: {logged[k]} -> {v}" for k, v in mine.items() if k in logged and logged[k] != v[:6000]]
     if changed:
         raise UserError(f"--resume {run_id}: the run started with other settings ({'; '.join(changed[:5])}"

@@ -31,6 +31,7 @@ from tlt.rollout.tuner import StrategyTuner
 from tlt.rollout.workers import merge_batches, shard_sizes
 
 _RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back
+_TAIL_POLL_S = 0.05  # how often the driver looks for an actor's tail start while shards run
 _ACTOR_ENV = ("TLT_FAULT", "TLT_VLLM_PYTHON", "TLT_VLLM_THREADS")  # the driver's, passed on to the actors
 
 
@@ -65,9 +66,12 @@ class RolloutActor:
         self.version = version
         return version
 
-    def generate(self, prompts: list[list[int]], kwargs: dict) -> tuple[RolloutBatch, int]:
+    def generate(self, prompts: list[list[int]], kwargs: dict, tails=None, call: int = 0) -> tuple[RolloutBatch, int]:
+        """One shard; `tails` (a Ray queue): this engine's tail start goes there as (call, running rows)."""
         if not ray.get_runtime_context().was_current_actor_reconstructed:
             fault("rollout_actor", self.rank)  # crash tests: kill this actor at its first shard, once
+        if tails is not None:
+            kwargs = {**kwargs, "on_tail": lambda running: tails.put_nowait((call, running))}
         return self.engine.generate(prompts, **kwargs), self.version
 
     def pid(self) -> int:
@@ -91,6 +95,7 @@ class RayRolloutPool:
         self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
         self.version, self.rollout_version, self.restarts = -1, -1, 0
         self._sig, self._ref = None, None
+        self._tails, self._calls = None, 0  # the queue actors' tail starts reach the driver by (created on demand)
         c = placement.cfg
         env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
         self._dargs = None if self._drafter is None else (self._drafter.draft_vocab_size, self._drafter.aux_layer_ids)
@@ -145,8 +150,28 @@ class RayRolloutPool:
         """Nothing to hand to the update: torch actors keep their weights (vLLM actors: vllm_actor.py)."""
         return {}
 
-    def _submit(self, rank: int, shard: tuple[list, dict]):
+    def _submit(self, rank: int, shard: tuple):
         return self.actors[rank].generate.remote(*shard)
+
+    def _tail_queue(self):
+        """The queue every actor's engine reports its tail start to (one per pool, no CPU of its own)."""
+        if self._tails is None:
+            from ray.util.queue import Queue  # deferred: only a rollout with an `on_tail` hook needs it
+
+            self._tails = Queue(actor_options={"num_cpus": 0})
+        return self._tails
+
+    def _actor_tail(self, call: int) -> int | None:
+        """Running rows of the first actor whose engine reported this call's tail start, or None."""
+        from ray.util.queue import Empty  # deferred with the queue
+
+        while True:
+            try:
+                got, running = self._tails.get_nowait()
+            except Empty:
+                return None
+            if got == call:  # events of an earlier call (a shard re-run after a restart) are dropped
+                return int(running)
 
     def _retry(self, rank: int, err: Exception | None) -> None:
         """The actor died: Ray restarts it (random weights); load the current version (the shard is
@@ -169,23 +194,42 @@ class RayRolloutPool:
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
                  spec: bool | None = None, spec_threshold: int | None = None,
                  on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
-        """Same contract as `WorkerPool.generate`; `on_tail` fires when the first shard is back."""
+        """Same contract as `WorkerPool.generate`. `on_tail` fires once, at the first of: an actor's
+        engine enters its tail (fewer running rows than its threshold; called with those rows, as the
+        torch engine calls it), the first shard is back (called with the actors still decoding)."""
         self._push()  # weights changed outside an RL step's sync (a resumed checkpoint, a reload)
+        self._calls += 1
+        relay = (self._tail_queue(), self._calls) if on_tail is not None else ()
         shards, start = [], 0
         for i, size in enumerate(shard_sizes(len(prompts), self.n)):
             shards.append((prompts[start:start + size], dict(
                 group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                seed=seed + i, spec=spec, spec_threshold=spec_threshold)))
+                seed=seed + i, spec=spec, spec_threshold=spec_threshold), *relay))
             start += size
         t0 = time.perf_counter()
+        parts, finished_at = self._collect(shards, on_tail)
+        wall = time.perf_counter() - t0
+        self.rollout_version = self.version
+        idle = sum(t0 + wall - t for t in finished_at.values())
+        return merge_batches([parts[i] for i in range(len(shards))], group_size, wall, idle)
+
+    def _collect(self, shards: list[tuple], on_tail) -> tuple[dict[int, RolloutBatch], dict[int, float]]:
+        """Run every shard to its end (a dead actor's shard re-run); relay the tail start to `on_tail`."""
         pending = {self._submit(i, s): i for i, s in enumerate(shards)}
         parts: dict[int, RolloutBatch] = {}
         finished_at: dict[int, float] = {}
+        waiting = on_tail is not None  # for the tail: poll the actors' reports while the shards run
         while pending:
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            rank = pending.pop(ref)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_TAIL_POLL_S if waiting else None)
+            running = self._actor_tail(self._calls) if waiting else None
+            if running is not None:
+                waiting = False
+                on_tail(running)
+            if not ready:
+                continue
+            rank = pending.pop(ready[0])
             try:
-                batch, version = ray.get(ref)
+                batch, version = ray.get(ready[0])
             except RayActorError as err:  # died during the shard
                 self._retry(rank, err)
                 pending[self._submit(rank, shards[rank])] = rank
@@ -197,12 +241,10 @@ class RayRolloutPool:
             if version != self.version:
                 raise RuntimeError(f"rollout actor {rank} decoded with policy version {version}, not {self.version}")
             parts[rank], finished_at[rank] = batch, time.perf_counter()
-            if len(parts) == 1 and len(shards) > 1 and on_tail is not None:
-                on_tail(len(shards) - 1)  # an actor is idle while the others finish their tails
-        wall = time.perf_counter() - t0
-        self.rollout_version = self.version
-        idle = sum(t0 + wall - t for t in finished_at.values())
-        return merge_batches([parts[i] for i in range(len(shards))], group_size, wall, idle)
+            if waiting and pending:
+                waiting = False
+                on_tail(len(pending))  # an actor is idle while the others finish their tails
+        return parts, finished_at
 
     def pids(self) -> list[int]:
         return ray.get([a.pid.remote() for a in self.actors])
@@ -211,3 +253,6 @@ class RayRolloutPool:
         for a in self.actors:
             ray.kill(a, no_restart=True)
         self.actors = []
+        if self._tails is not None:
+            self._tails.shutdown()
+            self._tails = None
