@@ -113,7 +113,8 @@ def test_actors_match_one_engine_and_report_the_new_version(setup):
         tails = []
         out = pool.generate(PROMPTS, group_size=2, spec=True, on_tail=tails.append)
         assert out.response_ids == ref.response_ids and out.group_index == [i // 2 for i in range(12)]
-        assert tails == [1] and out.stats.spec_steps > 0 and pool.rollout_version == 0
+        # once, from the first actor's engine entering its tail (its running requests) or the first shard back
+        assert len(tails) == 1 and tails[0] >= 1 and out.stats.spec_steps > 0 and pool.rollout_version == 0
         workers = pool.worker_pids()
         _update(model)
         m = pool.sync(model)
