@@ -5,7 +5,8 @@ honest on a CPU machine. Asserts:
   - the policy and the drafter sit on the device, before and after the step; the step moves the
     policy's weights;
   - what leaves the process is on the CPU: the checkpoint's tensors and its optimizer state (read
-    back without map_location), the spot trainer's shared weights;
+    back without map_location), the spot trainer's shared weights; restored into the run on the
+    device, the next step runs;
   - fp32: greedy decoding with speculative decoding on every step equals decoding without it.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tlt.checkpoint import load_checkpoint
 from tlt.config import load_config
 from tlt.device import module_device
 from tlt.drafter.spot import SpotTrainer
+from tlt.rl.resume import restore_run_state
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -64,10 +66,16 @@ def _moved(pipe, before) -> bool:
 
 
 def _checkpoint_on_cpu(pipe) -> None:
+    """The checkpoint holds CPU tensors only; restored into the live run (CPU optimizer state into an
+    optimizer, or a ZeRO engine, on the device), the next step runs and keeps the policy there."""
     tensors, _, pts = load_checkpoint(pipe.last_checkpoint)
     assert _cpu_only(tensors)
     for blob in pts.values():  # without map_location: a GPU tensor in it would come back on the GPU
         assert _cpu_only(torch.load(blob, weights_only=True)), blob.name
+    device = module_device(pipe.model)
+    assert restore_run_state(pipe.ctx, pipe.run_dir / "checkpoints")["step"] == 0
+    pipe.rl_step(1)
+    assert module_device(pipe.model) == device
 
 
 @pytest.mark.parametrize("device", DEVICES)
