@@ -42,6 +42,7 @@ from tlt.drafter.model import Eagle3Drafter
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
+from tlt.rollout.versions import bump
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +234,7 @@ class SpotTrainer:
         else:
             with torch.no_grad():
                 self.drafter.load_state_dict(self.state, strict=True)
+            bump(self.drafter)  # the tail's new weights: the rollout engines sync by this version
             self.weights_step = int(metrics.pop("drafter/num_steps"))
         self.total_steps += int(metrics["drafter/spot_steps"])
         metrics.update({"drafter/steps": float(self.total_steps), "drafter/stop_wait_s": time.perf_counter() - t0,
@@ -282,6 +284,7 @@ class SpotTrainer:
             if int(state["num_steps"]) >= self.weights_step:
                 with torch.no_grad():
                     self.drafter.load_state_dict(tensors["drafter"], strict=True)
+                bump(self.drafter)
                 self.weights_step, restored = int(state["num_steps"]), f"checkpoint {path.name}"
             optim = self._optim = load_pt(pts["drafter_optim"])  # older than the weights only if a tail-end save was lost
         with torch.no_grad():
@@ -333,6 +336,7 @@ class SpotTrainer:
             self.drafter.load_state_dict(drafter_state, strict=True)
             for k, v in self.drafter.state_dict().items():
                 self.state[k].copy_(v)
+        bump(self.drafter)
         self._clear_checkpoints()  # resumed/warm-started weights start a new timeline
         self.cmd.put(("load",))
         if optim_state is not None:
