@@ -11,7 +11,7 @@ from tlt.metrics import rollout_metrics
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine
 from tlt.rollout.guard import DrafterMismatch, SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

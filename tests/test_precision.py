@@ -13,7 +13,7 @@ from tlt.models import tiny_model
 from tlt.rl.logprobs import make_batch
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch, TorchUpdater
 from tlt.rollout import RolloutEngine
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
 RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30]]

@@ -18,7 +18,7 @@ from tlt.rl.logprobs import forward_logprobs, make_batch  # noqa: E402
 from tlt.rl.step import Engine  # noqa: E402
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch  # noqa: E402
 from tlt.rollout import RolloutEngine  # noqa: E402
-from tlt.rollout.versions import bump, version_of  # noqa: E402
+from tlt.versions import bump, version_of  # noqa: E402
 
 pytestmark = pytest.mark.ray
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 20, 21, 22, 23], [1, 30], [1, 4, 4, 4, 4, 4], [1, 60, 3]]

@@ -10,7 +10,7 @@ from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, fit
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine, StrategyTuner, accept_length
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 CHAIN = SpecStrategy(depth=4, topk=1, tokens=4)
 TREE = SpecStrategy(depth=4, topk=3, tokens=10)

@@ -11,7 +11,7 @@ from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.rl.logprobs import forward_logprobs, make_batch
-from tlt.rollout.versions import version_of
+from tlt.versions import version_of
 from test_schedule import CASES, steps_trained
 
 

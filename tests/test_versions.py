@@ -1,4 +1,4 @@
-"""Weight versions (tlt.rollout.versions): every write site bumps the policy's or the drafter's
+"""Weight versions (tlt.versions): every write site bumps the policy's or the drafter's
 version, and the torch engine syncs its rollout-dtype copies exactly when a version moved."""
 from types import SimpleNamespace
 
@@ -16,7 +16,7 @@ from tlt.rl.logprobs import forward_logprobs, make_batch
 from tlt.rl.resume import restore_run_state, save_run_state
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch, TorchUpdater
 from tlt.rollout import RolloutEngine
-from tlt.rollout.versions import Synced, bump, version_of
+from tlt.versions import Synced, bump, version_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

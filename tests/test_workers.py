@@ -7,7 +7,7 @@ from tlt.drafter.model import build_drafter
 from tlt.metrics import rollout_metrics
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 from tlt.rollout.workers import WorkerPool, merge_batches, shard_sizes
 
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 20, 21, 22, 23], [1, 30], [1, 4, 4, 4, 4, 4], [1, 60, 2 + 1]]

@@ -35,7 +35,7 @@ from tlt.rl.step import rl_step as run_rl_step
 from tlt.rl.update import make_updater
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.tuner import StrategyTuner
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.rollout.workers import WorkerPool
 from tlt.schemas import frame_digest

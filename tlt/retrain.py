@@ -12,7 +12,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tlt.errors import UserError
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 from tlt.tracking import champion, download, set_champion
 
 log = logging.getLogger(__name__)

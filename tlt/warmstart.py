@@ -22,7 +22,7 @@ from tlt.corpus import Corpus, vocab_coverage
 from tlt.drafter.train import (DrafterTrainer, Sample, collect_samples, count_batches, pack, prompt_weight,
                                weight_prompt)
 from tlt.rollout.engine import measure_accept
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 from tlt.summaries import WarmstartSummary
 
 

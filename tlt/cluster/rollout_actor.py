@@ -2,7 +2,7 @@
 actors, each a long-lived `RolloutEngine` (its KV cache, weights and tuner stay across steps).
 
 Weights travel through the object store: when the policy's or the drafter's version moved
-(tlt.rollout.versions; checked after every RL step's update by `sync`, and before every rollout),
+(tlt.versions; checked after every RL step's update by `sync`, and before every rollout),
 their state is `ray.put` once for the new push and every actor loads that one object (only the
 modules whose version it has not loaded yet). Each
 shard's result carries the version its actor decoded with; a mismatch is an error, so a rollout
@@ -28,7 +28,7 @@ from tlt.faults import fault
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.tuner import StrategyTuner
-from tlt.rollout.versions import Synced, bump, version_of
+from tlt.versions import Synced, bump, version_of
 from tlt.rollout.workers import merge_batches, shard_sizes
 
 _RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back

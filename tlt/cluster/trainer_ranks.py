@@ -20,7 +20,7 @@ from tlt.cluster.placement import RayPlacement
 from tlt.config import RLConfig, TrainerConfig
 from tlt.rl.logprobs import ForwardOut
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 from tlt.services import free_port
 
 _NOT_ADDITIVE = ("policy/grad_norm", "policy/lr")  # global values, equal on every rank

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 
 def rope_parameters(config) -> dict:

@@ -15,7 +15,7 @@ from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 
 class DrafterRefresher:

@@ -42,7 +42,7 @@ from tlt.drafter.model import Eagle3Drafter
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 log = logging.getLogger(__name__)
 

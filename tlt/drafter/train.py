@@ -35,7 +35,7 @@ from torch import Tensor
 
 from tlt.drafter.model import Eagle3Drafter
 from tlt.precision import autocast
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 Sample = dict[str, Tensor]
 

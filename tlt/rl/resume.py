@@ -12,7 +12,7 @@ from pathlib import Path
 from tlt.checkpoint import (capture_rng, load_checkpoint, load_pt, newest_verified, restore_rng, save_checkpoint,
                             torch_blob)
 from tlt.faults import fault
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 
 def _crash_point(write, step: int):

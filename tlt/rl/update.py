@@ -24,7 +24,7 @@ from tlt.config import RLConfig, RunConfig, TrainerConfig
 from tlt.precision import autocast
 from tlt.rl.grpo import kl_k3, masked_mean, policy_loss
 from tlt.rl.logprobs import ForwardOut, forward_logprobs
-from tlt.rollout.versions import bump
+from tlt.versions import bump
 
 _ADAM_BETAS = (0.9, 0.999)  # torch AdamW's own defaults, spelled out so both backends agree
 _ADAM_EPS = 1e-8

@@ -24,8 +24,8 @@ from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
 from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
-from tlt.rollout.versions import Synced
 from tlt.rollout.weights import RolloutCopy
+from tlt.versions import Synced
 
 
 class RolloutEngine:

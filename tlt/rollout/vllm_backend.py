@@ -10,7 +10,7 @@ never imports vllm. What crosses over:
     model in place (vllm_ext.py). Only an export whose config changed (other shapes) rebuilds;
   - prompts and sampling options in, token ids, log-probs, finish reasons and vLLM's per-request
     speculative counters out (turned into tlt's RolloutBatch and its stats).
-Weights are synced before every `generate` whose weights' version moved (tlt.rollout.versions), and by
+Weights are synced before every `generate` whose weights' version moved (tlt.versions), and by
 `sync()` after each policy update (timed apart: `timing_s/sync`; `rollout/vllm_rebuilds` stays 0).
 Hardware options (`rollout.vllm`, sleep mode around the update) are resolved by the worker (vllm_options.py).
 
@@ -61,7 +61,7 @@ from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
-from tlt.rollout.versions import Synced
+from tlt.versions import Synced
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")

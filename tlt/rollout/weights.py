@@ -1,7 +1,7 @@
 """The torch engine's own copy of a model in `rollout.dtype` (e.g. bf16 on a bf16-capable CPU or GPU
 while the update keeps fp32 master weights; tlt.precision).
 
-The copy is rounded from the master weights whenever their version moved (tlt.rollout.versions:
+The copy is rounded from the master weights whenever their version moved (tlt.versions:
 every write site bumps it), so a rollout with unchanged weights copies nothing.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import copy
 
 import torch
 
-from tlt.rollout.versions import Synced
+from tlt.versions import Synced
 
 
 class RolloutCopy:

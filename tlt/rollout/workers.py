@@ -3,7 +3,7 @@
 Each worker runs its own `RolloutEngine` (own KV cache, own tuner, its share of the CPU threads)
 over the *same* policy and drafter tensors as the trainer: the parameters live in shared memory
 (`share_memory_()` in place, so the optimizer's in-place updates are seen by every worker with no
-copy and no disk). When the policy's or the drafter's version moved (tlt.rollout.versions), `sync()`
+copy and no disk). When the policy's or the drafter's version moved (tlt.versions), `sync()`
 copies the tensors whose storage a backend rebound (DeepSpeed's flat buffers) into the shared ones,
 and every worker learns the new versions with its next shard (its engine then refreshes a
 rollout-dtype copy and re-arms its spec guard).
@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
-from tlt.rollout.versions import Synced, bump, version_of
+from tlt.versions import Synced, bump, version_of
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
