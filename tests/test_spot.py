@@ -11,7 +11,7 @@ from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.rl.logprobs import forward_logprobs, make_batch
-from tlt.versions import version_of
+from tlt.versions import bump, version_of
 from test_schedule import CASES, steps_trained
 
 
@@ -109,9 +109,13 @@ def test_policy_sync_through_shared_memory(setup):
     with torch.no_grad():
         target.get_input_embeddings().weight.add_(0.5)
     spot.sync_policy()
+    assert not torch.equal(spot._embed, target.get_input_embeddings().weight)  # no new version: no copy
+    bump(target)  # as an update does
+    spot.sync_policy()
     assert torch.equal(spot._embed, target.get_input_embeddings().weight)
     with torch.no_grad():
         target.get_input_embeddings().weight.sub_(0.5)
+    bump(target)
     spot.sync_policy()
 
 

@@ -42,7 +42,7 @@ from tlt.drafter.model import Eagle3Drafter
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
-from tlt.versions import bump
+from tlt.versions import Synced, bump
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class SpotTrainer:
         head = model.get_output_embeddings()
         self._tied = head is None or head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         self._head = self._embed if self._tied else head.weight.detach().clone().share_memory_()
+        self._policy_synced = Synced(policy=model)  # the policy version the shared embedding / head hold
         self.state = {k: v.detach().clone().share_memory_() for k, v in drafter.state_dict().items()}
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._clear_checkpoints()
@@ -187,11 +188,15 @@ class SpotTrainer:
         self.buffer.add_rows(step, ids, attn, resp, aux, last_hidden)
 
     def sync_policy(self) -> None:
-        """Copy the (updated) target embedding / head into the shared tensors the worker reads."""
+        """Copy the target embedding / head into the shared tensors the worker reads, when the
+        policy's version moved (tlt.versions)."""
+        if not self._policy_synced.moved(policy=self._model):
+            return
         with torch.no_grad():
             self._embed.copy_(self._model.get_input_embeddings().weight)
             if not self._tied:
                 self._head.copy_(self._model.get_output_embeddings().weight)
+        self._policy_synced.take(policy=self._model)
 
     # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
     def before_rollout(self, step: int) -> Callable[[int], None] | None:
