@@ -163,3 +163,17 @@ def test_engine_after_an_update_decodes_like_a_fresh_engine():
     got = engine.generate(prompts, spec=True)
     want = _copy_engine(model, refresher.drafter).generate(prompts, spec=True)
     assert got.response_ids == want.response_ids and got.accepted == want.accepted and got.drafted == want.drafted
+
+
+def test_pipeline_load_weights_bumps(tmp_path):
+    """Evaluation from a run checkpoint (`Pipeline.load_weights`): policy and drafter versions move."""
+    from tlt.checkpoint import save_checkpoint
+    from tlt.pipeline import Pipeline
+
+    model = _model()
+    drafter = build_drafter(model, DCFG)
+    path = save_checkpoint(tmp_path, 4, {"policy": _model(seed=5).state_dict(), "drafter": drafter.state_dict()},
+                           {"step": 4})
+    pipe = SimpleNamespace(model=model, drafter=drafter, cfg=SimpleNamespace(drafter=DCFG))
+    assert Pipeline.load_weights(pipe, path) == 5
+    assert version_of(model) == 1 and version_of(drafter) == 1
