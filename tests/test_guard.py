@@ -11,6 +11,7 @@ from tlt.metrics import rollout_metrics
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine
 from tlt.rollout.guard import DrafterMismatch, SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
+from tlt.versions import bump
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,6 +83,7 @@ def test_useless_drafter_trips_the_guard_on_the_torch_engine(target):
     assert rollout_metrics(off)["spec/guard_tripped"] == 1.0
     with torch.no_grad():  # a new drafter (a refresh): the guard re-arms
         drafter.lm_head.weight.copy_(target.lm_head.weight)
+    bump(drafter)
     again = eng.generate(prompts)
     assert again.stats.spec_row_passes > 0 and again.response_ids == outs[0].response_ids
 
@@ -99,6 +101,7 @@ def test_torch_engine_probes_its_drafter_copy(target, monkeypatch):
     assert eng.drafter is not drafter and 0 < eng.probe_metrics["spec/probe_error"] < 5e-2
     with torch.no_grad():
         drafter.midlayer.mlp.down_proj.weight.mul_(1.5)  # a refresh
+    bump(drafter)
     eng.generate([[5, 6, 7]])
     assert 0 < eng.probe_metrics["spec/probe_error"] < 5e-2
     real = weights.RolloutCopy.refresh
@@ -113,5 +116,6 @@ def test_torch_engine_probes_its_drafter_copy(target, monkeypatch):
     monkeypatch.setattr(weights.RolloutCopy, "refresh", lossy)
     with torch.no_grad():
         drafter.lm_head.weight.add_(0.01)
+    bump(drafter)
     with pytest.raises(DrafterMismatch, match="torch engine's drafter copy"):
         eng.generate([[5, 6, 7]])

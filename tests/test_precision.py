@@ -13,6 +13,7 @@ from tlt.models import tiny_model
 from tlt.rl.logprobs import make_batch
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch, TorchUpdater
 from tlt.rollout import RolloutEngine
+from tlt.versions import bump
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
 RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30]]
@@ -86,8 +87,9 @@ def test_bf16_mixed_loss_is_the_fp32_loss_to_bf16_rounding():
 
 
 def test_rollout_copy_is_the_master_rounded_to_bf16_after_a_sync(tmp_path):
-    """The engine's bf16 copy equals the fp32 masters rounded after every update (found by content,
-    so DeepSpeed ZeRO-2's in-place writes count too), and a checkpoint keeps the fp32 masters exactly."""
+    """The engine's bf16 copy equals the fp32 masters rounded after every update (the updater bumps
+    the policy's version, so DeepSpeed ZeRO-2's in-place writes count too), and a checkpoint keeps the
+    fp32 masters exactly."""
     model = tiny_model(layers=2, hidden=128, vocab=64, seed=0)
     engine = RolloutEngine(model, RolloutConfig(dtype="bfloat16", max_new_tokens=4, temperature=0.0), [2], 0)
     assert next(engine.model.parameters()).dtype == torch.bfloat16 and engine.model is not model
@@ -108,12 +110,14 @@ def test_rollout_copy_is_the_master_rounded_to_bf16_after_a_sync(tmp_path):
 
 
 def test_rollout_copy_follows_a_change_outside_a_step():
-    """A resume or load writes the masters without a sync: the next generate sees it."""
+    """A resume or load writes the masters (and bumps their version) without a sync: the next
+    generate sees it."""
     model = tiny_model(layers=2, hidden=128, vocab=64, seed=0)
     engine = RolloutEngine(model, RolloutConfig(dtype="bfloat16", max_new_tokens=6, temperature=0.0), [2], 0)
     before = engine.generate([[1, 5, 9]], spec=False).response_ids
     with torch.no_grad():
         model.lm_head.weight.mul_(-1)
+    bump(model)
     after = engine.generate([[1, 5, 9]], spec=False).response_ids
     assert after != before and torch.equal(engine.model.lm_head.weight, model.lm_head.weight.to(torch.bfloat16))
 

@@ -18,6 +18,7 @@ from tlt.rl.logprobs import forward_logprobs, make_batch  # noqa: E402
 from tlt.rl.step import Engine  # noqa: E402
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch  # noqa: E402
 from tlt.rollout import RolloutEngine  # noqa: E402
+from tlt.versions import bump, version_of  # noqa: E402
 
 pytestmark = pytest.mark.ray
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 20, 21, 22, 23], [1, 30], [1, 4, 4, 4, 4, 4], [1, 60, 3]]
@@ -49,7 +50,7 @@ def setup(placement):
 
 
 def test_actors_match_the_local_engine_and_report_the_new_version(setup):
-    model, _, local, pool = setup
+    model, drafter, local, pool = setup
     assert pool.version == 0 and len(set(pool.pids())) == 2 and os.getpid() not in pool.pids()
     ref = local.generate(PROMPTS, group_size=2, spec=True)
     tails = []
@@ -62,25 +63,31 @@ def test_actors_match_the_local_engine_and_report_the_new_version(setup):
     no_tail = []  # engines that never reach a tail (threshold 0): the first shard back starts it
     pool.generate(PROMPTS, spec=False, spec_threshold=0, on_tail=no_tail.append)
     assert no_tail == [1]
-    m = pool.sync(model)  # after an update: a new version, always (ZeRO writes are invisible to counters)
+    assert pool.sync(model)["cluster/weights_pushed"] == 0.0 and pool.version == 0  # no version moved
+    bump(model)  # what an update does
+    m = pool.sync(model)
     assert m["cluster/weights_pushed"] == 1.0 and m["rollout/policy_version"] == 0 and pool.version == 1
+    assert m["cluster/drafter_version"] == version_of(drafter)
     w = model.model.layers[1].mlp.down_proj.weight
     with torch.no_grad():
         saved = w.clone()
-        w.add_(torch.randn_like(w) * 0.5)  # changed outside a step (a resume): found by its version counter
+        w.add_(torch.randn_like(w) * 0.5)  # changed outside a step (a resume, which bumps the version)
+    bump(model)
     after = pool.generate(PROMPTS, spec=False)
     assert pool.version == 2 and pool.rollout_version == 2 and pool.sync(model)["rollout/policy_version"] == 2.0
     assert after.response_ids == local.generate(PROMPTS, spec=False).response_ids
     assert after.response_ids != ref.response_ids[::2]  # the new policy decodes differently
     pool.generate(PROMPTS, spec=False)
-    assert pool.version == pool.rollout_version == 3  # nothing changed since the sync: no push
+    assert pool.version == pool.rollout_version == 2  # nothing changed since: no push
     with torch.no_grad():
         w.copy_(saved)
+    bump(model)
 
 
 def test_zero2_updates_in_the_driver_reach_the_actors(setup, monkeypatch, tmp_path):
     """World size 1 keeps the update in the driver; ZeRO-2 writes the parameters through views that
-    torch's version counters miss, so `sync` pushes after every update, and the actors decode with it."""
+    torch's tensor version counters miss; the updater bumps the policy's version, so `sync` pushes after
+    every update, and the actors decode with it."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "torch_extensions"))
     model, _, local, pool = setup
     updater = DeepSpeedUpdater(model, RLConfig(lr=1e-2), TrainerConfig(backend="deepspeed", zero_stage=2))

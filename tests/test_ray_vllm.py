@@ -29,6 +29,7 @@ from tlt.cluster import RayPlacement, RayVllmPool  # noqa: E402
 from tlt.config import ClusterConfig, DrafterConfig, RolloutConfig, SpecStrategy  # noqa: E402
 from tlt.drafter.model import build_drafter  # noqa: E402
 from tlt.models import tiny_model, tiny_tokenizer  # noqa: E402
+from tlt.versions import bump  # noqa: E402
 from tlt.rollout.vllm_backend import VllmRolloutEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,6 +84,7 @@ def _update(model, undo: bool = False) -> None:
     delta = torch.randn(w.shape, generator=torch.Generator().manual_seed(7)) * 0.5
     with torch.no_grad():
         w.sub_(delta) if undo else w.add_(delta)
+    bump(model)  # as every write site does
 
 
 def test_actors_match_one_engine_and_report_the_new_version(setup):

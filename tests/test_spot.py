@@ -11,6 +11,7 @@ from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.rl.logprobs import forward_logprobs, make_batch
+from tlt.versions import bump, version_of
 from test_schedule import CASES, steps_trained
 
 
@@ -68,9 +69,11 @@ def test_the_schedule_decides_which_tails_train(setup, case):
 def test_trains_until_finish_and_loads_weights(setup):
     _, drafter, spot = setup
     before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    version = version_of(drafter)
     spot.start(1)
     time.sleep(3.0)  # the "tail": the worker trains meanwhile
     m = spot.finish()
+    assert version_of(drafter) == version + 1  # one load of the tail's weights: the engines sync once
     assert m["drafter/spot_steps"] >= 1 and m["drafter/loss"] > 0
     changed = [k for k, v in drafter.state_dict().items() if not torch.equal(v, before[k])]
     assert "fc.weight" in changed and "midlayer.mlp.down_proj.weight" in changed
@@ -106,9 +109,13 @@ def test_policy_sync_through_shared_memory(setup):
     with torch.no_grad():
         target.get_input_embeddings().weight.add_(0.5)
     spot.sync_policy()
+    assert not torch.equal(spot._embed, target.get_input_embeddings().weight)  # no new version: no copy
+    bump(target)  # as an update does
+    spot.sync_policy()
     assert torch.equal(spot._embed, target.get_input_embeddings().weight)
     with torch.no_grad():
         target.get_input_embeddings().weight.sub_(0.5)
+    bump(target)
     spot.sync_policy()
 
 

@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tlt.versions import bump
+
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 K, MAX_NEW, EOS = 3, 24, [2]
@@ -215,6 +217,8 @@ def test_sync_reloads_layers_in_place(setup):
         w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(5)) * 0.2)
     ref = _torch_greedy(target, prompts).response_ids
     assert ref != before, "the perturbation should change greedy outputs"
+    assert "rollout/vllm_sync_s" not in engine.sync()  # no version moved: nothing sent, nothing scanned
+    bump(target)  # what every write site does
     rebuilds = engine.rebuilds
     metrics = engine.sync()
     print(f"in-place sync {metrics['rollout/vllm_sync_s']:.2f} s")
@@ -228,6 +232,7 @@ def test_sync_reloads_a_changed_tied_embedding_in_place(setup):
     with torch.no_grad():
         e = target.model.embed_tokens.weight
         e.add_(torch.randn(e.shape, generator=torch.Generator().manual_seed(6)) * 0.05)
+    bump(target)
     ref = _torch_greedy(target, prompts).response_ids
     assert ref != before, "the perturbation should change greedy outputs"
     rebuilds = engine.rebuilds

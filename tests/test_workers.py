@@ -7,6 +7,7 @@ from tlt.drafter.model import build_drafter
 from tlt.metrics import rollout_metrics
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine
+from tlt.versions import bump
 from tlt.rollout.workers import WorkerPool, merge_batches, shard_sizes
 
 PROMPTS = [[1, 5, 9, 13], [1, 7, 7], [1, 20, 21, 22, 23], [1, 30], [1, 4, 4, 4, 4, 4], [1, 60, 2 + 1]]
@@ -51,6 +52,7 @@ def test_policy_updates_reach_workers_without_copy_or_disk(setup):
     with torch.no_grad():
         saved = w.clone()
         w.add_(torch.randn_like(w) * 0.5)  # an optimizer's in-place update
+    bump(model)
     assert pool.sync()["rollout/sync_tensors_copied"] == 0  # in place: nothing to copy
     assert pool._policy["model.layers.1.mlp.down_proj.weight"].data_ptr() == w.data_ptr()
     after = pool.generate(PROMPTS, spec=False).response_ids
@@ -60,17 +62,22 @@ def test_policy_updates_reach_workers_without_copy_or_disk(setup):
 
 
 def test_rebound_parameters_are_copied_by_sync(setup):
-    """A backend that swaps parameter storage (DeepSpeed's flat buffers): sync copies it over."""
+    """A backend that swaps parameter storage (DeepSpeed's flat buffers): sync copies it over once
+    the version moved, and only then (no scan of the weights while the version stands)."""
     model, _, local, pool = setup
     lin = model.model.layers[2].self_attn.o_proj
     old = lin.weight
     lin.weight = torch.nn.Parameter(old.detach() * 1.5)
     try:
+        assert pool.sync(model)["rollout/sync_tensors_copied"] == 0
+        bump(model)
         assert pool.sync(model)["rollout/sync_tensors_copied"] == 1
+        assert pool.sync(model)["rollout/sync_tensors_copied"] == 0
         assert torch.equal(pool._policy["model.layers.2.self_attn.o_proj.weight"], lin.weight)
         assert pool.generate(PROMPTS, spec=False).response_ids == local.generate(PROMPTS, spec=False).response_ids
     finally:
         lin.weight = old
+        bump(model)
         pool.sync()
 
 
@@ -79,6 +86,7 @@ def test_drafter_updates_reach_workers(setup):
     _, drafter, local, pool = setup
     with torch.no_grad():
         drafter.fc.weight.mul_(0.0)  # a drafter that proposes junk: acceptance changes, outputs do not
+    bump(drafter)
     a, b = pool.generate(PROMPTS, spec=True), local.generate(PROMPTS, spec=True)
     assert a.response_ids == b.response_ids and a.accepted == b.accepted and a.drafted == b.drafted
 
@@ -108,3 +116,38 @@ def test_workers_exit_on_close():
     assert len(pool.generate([[1, 3], [1, 4], [1, 5]], group_size=2, temperature=1.0).response_ids) == 6
     pool.close()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_spec_guard_trips_and_rearms_through_the_pool():
+    """rollout.guard_patience with rollout.workers 2: each worker's engine keeps its own guard over its
+    shard; the merged rollout reports the tiers off, and a new drafter version re-arms them."""
+    torch.manual_seed(0)
+    target = tiny_model("llama", layers=2, vocab=64, seed=1)
+    drafter = build_drafter(target, DrafterConfig(draft_vocab_size=64))
+    with torch.no_grad():
+        drafter.lm_head.weight.zero_()  # every draft is draft slot 0: almost never the target's token
+    cfg = RolloutConfig(max_new_tokens=24, temperature=0.0, spec_threshold=100, spec_patience=3, tuner=False,
+                        drafter="eagle", strategy=SpecStrategy(depth=3, topk=1, tokens=3), guard_patience=2)
+    pool = WorkerPool(target, cfg, [], 0, n_workers=2, drafter=drafter.eval(), threads=1)
+    prompts = [[5, 6, 7], [9, 3, 4, 8], [11, 12], [20, 21, 22, 23, 24]]
+    try:
+        first = pool.generate(prompts)
+        assert first.stats.spec_row_passes > 0 and first.stats.accept_len < 1.2
+        assert rollout_metrics(first)["spec/guard_tripped"] == 0.0  # patience 2: no verdict after one rollout
+        # Each worker trips its tier after 2 rollouts below break-even (measured from its own step
+        # times, so a rollout slowed by a busy machine may count as above); a few more rollouts at most.
+        outs = [pool.generate(prompts) for _ in range(2)]
+        while outs[-1].stats.spec_row_passes and len(outs) < 8:
+            outs.append(pool.generate(prompts))
+        off = outs[-1]  # both workers decode their tier without SD now, same tokens
+        assert off.stats.spec_row_passes == 0 and off.response_ids == first.response_ids
+        assert rollout_metrics(off)["spec/guard_tripped"] == 1.0
+        with torch.no_grad():  # a refresh: new drafter weights, a new version
+            drafter.lm_head.weight.copy_(target.lm_head.weight)
+        assert pool.generate(prompts).stats.spec_row_passes == 0  # written without a bump: not a new drafter
+        bump(drafter)
+        again = pool.generate(prompts)
+        assert again.stats.spec_row_passes > 0 and again.response_ids == first.response_ids
+        assert rollout_metrics(again)["spec/guard_tripped"] == 0.0
+    finally:
+        pool.close()

@@ -36,6 +36,7 @@ from tlt.rl.step import rl_step as run_rl_step
 from tlt.rl.update import make_updater
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.tuner import StrategyTuner
+from tlt.versions import bump
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.rollout.workers import WorkerPool
 from tlt.schemas import frame_digest
@@ -210,6 +211,7 @@ class Pipeline:
             self.drafter.load_state_dict(tensors["drafter"], strict=True)
             head = self.model.get_output_embeddings().weight
             self.refresher = DrafterRefresher(DrafterTrainer(self.drafter, self.cfg.drafter, head), self.cfg.drafter)
+        for module in (self.model, self.drafter): bump(module)  # the engines sync by version
         return int(state["step"]) + 1
 
     def heldout_accept_len(self, temperature: float = 0.0) -> float:

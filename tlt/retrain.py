@@ -12,6 +12,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tlt.errors import UserError
+from tlt.versions import bump
 from tlt.tracking import champion, download, set_champion
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ def load_champion_policy(model, cfg, tracker) -> dict | None:
     path = champion_policy(found, cfg.deploy.on_missing_champion_policy)
     if path is not None:
         model.load_state_dict(load_file(path), strict=True)
+        bump(model)
     tracker.set_tags({"retrain.from_version": (found or {}).get("version", "none"),
                       "retrain.policy": str(path.parent) if path is not None else "base"})
     return found
@@ -76,6 +78,7 @@ def load_champion_drafter(drafter, found: dict, cfg, dst: Path) -> Path:
     the local copy of its directory."""
     local = download(found["source"], dst, cfg.tracking.tracking_uri)
     drafter.load_state_dict(load_file(local / "model.safetensors"), strict=True)
+    bump(drafter)
     return local
 
 

@@ -22,6 +22,7 @@ from tlt.corpus import Corpus, vocab_coverage
 from tlt.drafter.train import (DrafterTrainer, Sample, collect_samples, count_batches, pack, prompt_weight,
                                weight_prompt)
 from tlt.rollout.engine import measure_accept
+from tlt.versions import bump
 from tlt.summaries import WarmstartSummary
 
 
@@ -85,6 +86,7 @@ def response_counts(corpus: Corpus, vocab_size: int) -> torch.Tensor:
 
 def _restore(drafter, cache: Path, cfg, head, t0: float) -> tuple[WarmstartSummary, DrafterTrainer]:
     drafter.load_state_dict(load_file(cache / "drafter.safetensors"), strict=True)
+    bump(drafter)
     summary = WarmstartSummary.model_validate_json((cache / "summary.json").read_text())
     summary = summary.model_copy(update={"cached": True, "time_s": time.perf_counter() - t0})
     trainer = DrafterTrainer(drafter, cfg.drafter, head)

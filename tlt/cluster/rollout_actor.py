@@ -1,9 +1,10 @@
 """Rollout engines as Ray actors: `RayRolloutPool` shards GRPO groups over `cluster.rollout_actors`
 actors, each a long-lived `RolloutEngine` (its KV cache, weights and tuner stay across steps).
 
-Weights travel through the object store: after every RL step's update (`sync`), and before a
-rollout when a version counter shows the policy or drafter changed since (a resumed checkpoint),
-their state is `ray.put` once for the new version and every actor loads that one object. Each
+Weights travel through the object store: when the policy's or the drafter's version moved
+(tlt.versions; checked after every RL step's update by `sync`, and before every rollout),
+their state is `ray.put` once for the new push and every actor loads that one object (only the
+modules whose version it has not loaded yet). Each
 shard's result carries the version its actor decoded with; a mismatch is an error, so a rollout
 never mixes policies. A dead actor (killed, OOM, node lost) is restarted by Ray (`max_restarts`);
 the pool reloads the current version into it and re-runs that shard, so the step completes with
@@ -28,6 +29,7 @@ from tlt.faults import fault
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.tuner import StrategyTuner
+from tlt.versions import Synced, bump, version_of
 from tlt.rollout.workers import merge_batches, shard_sizes
 
 _RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back
@@ -51,6 +53,7 @@ class RolloutActor:
                 device: str) -> None:
         """A randomly initialised policy (+ drafter) of the run's architecture; `load` fills them."""
         self.rank, self.version = rank, -1  # -1: random init, no policy loaded yet
+        self.loaded: dict[str, int] = {}  # the driver's module versions this actor holds
         self.model = model_cls(model_config).to(device=device, dtype=dtype).eval()
         self.drafter = None
         if drafter_args is not None:
@@ -59,10 +62,14 @@ class RolloutActor:
             self.drafter = self.drafter.to(device).eval()
 
     def load(self, version: int, weights: dict) -> int:
+        """Push `version`: the modules whose driver version this actor does not hold yet are loaded
+        (and their local version bumped, so the engine refreshes its copies and re-arms its guard)."""
         with torch.no_grad():
-            self.model.load_state_dict(weights["policy"], strict=True)
-            if self.drafter is not None:
-                self.drafter.load_state_dict(weights["drafter"], strict=True)
+            for name, module in (("policy", self.model), ("drafter", self.drafter)):
+                if module is not None and self.loaded.get(name) != weights["versions"][name]:
+                    module.load_state_dict(weights[name], strict=True)
+                    bump(module)
+        self.loaded = dict(weights["versions"])
         self.version = version
         return version
 
@@ -78,11 +85,6 @@ class RolloutActor:
         return os.getpid()
 
 
-def _signature(modules) -> tuple:
-    """Changes whenever a tensor is modified in place (torch's version counter) or rebound."""
-    return tuple((t.data_ptr(), t._version) for m in modules for t in m.state_dict().values())
-
-
 class RayRolloutPool:
     """`cluster.rollout_actors` rollout actors in the run's placement group (bundles 0..n-1)."""
 
@@ -93,8 +95,8 @@ class RayRolloutPool:
         self.tuner = None  # each actor keeps its own bandit (not part of run checkpoints)
         self.history = None  # and its own n-gram prompt history
         self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
-        self.version, self.rollout_version, self.restarts = -1, -1, 0
-        self._sig, self._ref = None, None
+        self.version, self.rollout_version, self.rollout_drafter_version, self.restarts = -1, -1, 0, 0
+        self._synced, self._ref = None, None
         self._tails, self._calls = None, 0  # the queue actors' tail starts reach the driver by (created on demand)
         c = placement.cfg
         env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
@@ -116,20 +118,20 @@ class RayRolloutPool:
                 max(1, int(self.placement.cfg.rollout_actor_cpus)), (self._seed * 1000 + rank) if cfg.tuner else None,
                 self._dargs)
 
-    def _modules(self) -> list:
-        return [self._model] + ([self._drafter] if self._drafter is not None else [])
+    def _modules(self) -> dict:
+        return {"policy": self._model, "drafter": self._drafter}
 
-    def _push(self, force: bool = False) -> bool:
-        """Put the weights in the object store once per version and load them on every actor;
-        unless `force`d, only when a version counter or storage moved since the last push."""
-        sig = _signature(self._modules())
-        if sig == self._sig and not force:
+    def _push(self) -> bool:
+        """Put the weights in the object store once per push and load them on every actor, when
+        the policy's or the drafter's version moved since the last push (or none was made)."""
+        if self._synced is not None and not self._synced.moved(**self._modules()):
             return False
         self.version += 1
-        weights = {"policy": self._model.state_dict()}
+        weights = {"policy": self._model.state_dict(), "versions": {n: version_of(m) for n, m in self._modules().items()}}
         if self._drafter is not None:
             weights["drafter"] = self._drafter.state_dict()
-        self._ref, self._sig = ray.put(to_cpu(weights)), sig  # actors load CPU tensors onto their own device
+        self._ref = ray.put(to_cpu(weights))  # actors load CPU tensors onto their own device
+        self._synced = Synced(**self._modules())
         for ref in [a.load.remote(self.version, self._ref) for a in self.actors]:
             try:
                 ray.get(ref)
@@ -138,13 +140,15 @@ class RayRolloutPool:
         return True
 
     def sync(self, model=None) -> dict[str, float]:
-        """After an RL step's update: push a new version, always (ZeRO 1/2 write the parameters
-        through `.data` views, which torch's version counters do not see). `model` is ignored: the
-        pool pushes the model it was built on. Returns the version this step's rollout decoded
-        with and the one pushed."""
-        pushed = self._push(force=True)
-        return {"rollout/policy_version": float(self.rollout_version), "cluster/weights_version": float(self.version),
-                "cluster/weights_pushed": float(pushed), "cluster/actor_restarts": float(self.restarts)}
+        """After an RL step's update: push a new version when the policy's or drafter's version moved.
+        `model` is ignored: the pool pushes the model it was built on. Returns the push this step's
+        rollout decoded with and the one pushed, and the drafter version the rollout drafted with."""
+        pushed = self._push()
+        out = {"rollout/policy_version": float(self.rollout_version), "cluster/weights_version": float(self.version),
+               "cluster/weights_pushed": float(pushed), "cluster/actor_restarts": float(self.restarts)}
+        if self._drafter is not None:
+            out["cluster/drafter_version"] = float(self.rollout_drafter_version)
+        return out
 
     def sleep(self) -> dict[str, float]:
         """Nothing to hand to the update: torch actors keep their weights (vLLM actors: vllm_actor.py)."""
@@ -209,7 +213,7 @@ class RayRolloutPool:
         t0 = time.perf_counter()
         parts, finished_at = self._collect(shards, on_tail)
         wall = time.perf_counter() - t0
-        self.rollout_version = self.version
+        self.rollout_version, self.rollout_drafter_version = self.version, self._synced.version("drafter")
         idle = sum(t0 + wall - t for t in finished_at.values())
         return merge_batches([parts[i] for i in range(len(shards))], group_size, wall, idle)
 

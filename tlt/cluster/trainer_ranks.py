@@ -21,6 +21,7 @@ from tlt.config import RLConfig, TrainerConfig
 from tlt.device import resolve_device, to_cpu
 from tlt.rl.logprobs import ForwardOut
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch
+from tlt.versions import bump
 from tlt.services import free_port
 
 _NOT_ADDITIVE = ("policy/grad_norm", "policy/lr")  # global values, equal on every rank
@@ -119,7 +120,8 @@ class RayDeepSpeedUpdater:
         results = ray.get([r.step.remote(padded.slice(i * per, (i + 1) * per), aux_layer_ids, on_forward is not None,
                                          denom) for i, r in enumerate(ranks)])
         with torch.no_grad():
-            self.model.load_state_dict(results[0][2], strict=True)  # copy_: the pool sees a new version
+            self.model.load_state_dict(results[0][2], strict=True)
+        bump(self.model)  # the rollout pool pushes the new policy version
         if on_forward is not None:
             for i, (_, forwards, _) in enumerate(results):
                 for s, mb, out in forwards:

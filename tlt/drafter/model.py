@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tlt.versions import bump
+
 
 def rope_parameters(config) -> dict:
     """The target's RoPE settings as one dict (transformers 5 `rope_parameters` or legacy keys)."""
@@ -202,6 +204,7 @@ class Eagle3Drafter(nn.Module):
         self.d2t.copy_(keep - torch.arange(Vd, device=keep.device))
         self.t2d.zero_()
         self.t2d[keep] = True
+        bump(self)  # a new draft vocabulary: the engines' copies are stale
 
     def draft_to_target_ids(self) -> Tensor:
         """[Vd] target id of every draft slot."""

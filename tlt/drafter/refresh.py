@@ -15,6 +15,7 @@ from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
+from tlt.versions import bump
 
 
 class DrafterRefresher:
@@ -60,6 +61,7 @@ class DrafterRefresher:
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state["drafter"], strict=True)
+        bump(self.drafter)
         self.trainer.opt.load_state_dict(state["optimizer"])
         self.trainer.num_steps = state["num_steps"]
         self.buffer.load_state_dict(state["buffer"], state["buffer_meta"])

@@ -43,6 +43,7 @@ from tlt.drafter.model import Eagle3Drafter
 from tlt.drafter.schedule import RefreshSchedule
 from tlt.drafter.train import DrafterTrainer, prompt_weight
 from tlt.faults import fault
+from tlt.versions import Synced, bump
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class SpotTrainer:
         head = model.get_output_embeddings()
         self._tied = head is None or head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
         self._head = self._embed if self._tied else head.weight.detach().to("cpu", copy=True).share_memory_()
+        self._policy_synced = Synced(policy=model)  # the policy version the shared embedding / head hold
         self.state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in drafter.state_dict().items()}
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._clear_checkpoints()
@@ -187,11 +189,15 @@ class SpotTrainer:
         self.buffer.add_rows(step, ids, attn, resp, aux, last_hidden)
 
     def sync_policy(self) -> None:
-        """Copy the (updated) target embedding / head into the shared tensors the worker reads."""
+        """Copy the target embedding / head into the shared tensors the worker reads, when the
+        policy's version moved (tlt.versions)."""
+        if not self._policy_synced.moved(policy=self._model):
+            return
         with torch.no_grad():
             self._embed.copy_(self._model.get_input_embeddings().weight)
             if not self._tied:
                 self._head.copy_(self._model.get_output_embeddings().weight)
+        self._policy_synced.take(policy=self._model)
 
     # ---- hooks called by the RL step (the `Refresher` protocol of tlt.rl.step) ---------------
     def before_rollout(self, step: int) -> Callable[[int], None] | None:
@@ -234,6 +240,7 @@ class SpotTrainer:
         else:
             with torch.no_grad():
                 self.drafter.load_state_dict(self.state, strict=True)
+            bump(self.drafter)  # the tail's new weights: the rollout engines sync by this version
             self.weights_step = int(metrics.pop("drafter/num_steps"))
         self.total_steps += int(metrics["drafter/spot_steps"])
         metrics.update({"drafter/steps": float(self.total_steps), "drafter/stop_wait_s": time.perf_counter() - t0,
@@ -283,6 +290,7 @@ class SpotTrainer:
             if int(state["num_steps"]) >= self.weights_step:
                 with torch.no_grad():
                     self.drafter.load_state_dict(tensors["drafter"], strict=True)
+                bump(self.drafter)
                 self.weights_step, restored = int(state["num_steps"]), f"checkpoint {path.name}"
             optim = self._optim = load_pt(pts["drafter_optim"])  # older than the weights only if a tail-end save was lost
         with torch.no_grad():
@@ -334,6 +342,7 @@ class SpotTrainer:
             self.drafter.load_state_dict(drafter_state, strict=True)
             for k, v in self.drafter.state_dict().items():
                 self.state[k].copy_(v)
+        bump(self.drafter)
         self._clear_checkpoints()  # resumed/warm-started weights start a new timeline
         self.cmd.put(("load",))
         if optim_state is not None:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from tlt.drafter.model import Eagle3Drafter
 from tlt.precision import autocast
+from tlt.versions import bump
 
 Sample = dict[str, Tensor]
 
@@ -280,6 +281,7 @@ class DrafterTrainer:
         loss.backward()
         metrics["drafter/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
         self.opt.step()
+        bump(self.drafter)  # new drafter weights: the rollout engines sync by this version
         self.num_steps += 1
         return metrics
 
@@ -291,6 +293,7 @@ class DrafterTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         self.drafter.load_state_dict(state["drafter"], strict=True)
+        bump(self.drafter)
         self.opt.load_state_dict(state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from tlt.checkpoint import (capture_rng, load_checkpoint, load_pt, newest_verified, restore_rng, save_checkpoint,
                             torch_blob)
 from tlt.faults import fault
+from tlt.versions import bump
 
 
 def _crash_point(write, step: int):
@@ -51,6 +52,7 @@ def restore_run_state(ctx, root: Path) -> dict | None:
     tensors, state, pts = load_checkpoint(path)
     state["corrupt_skipped"] = [p.name for p in skipped]
     ctx.model.load_state_dict(tensors["policy"], strict=True)
+    bump(ctx.model)  # the refresher's load bumps the drafter
     ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
     ctx.sampler.load_state(state["sampler"])
     if ctx.engine.tuner is not None and "tuner" in state:

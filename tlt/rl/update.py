@@ -25,6 +25,7 @@ from tlt.device import module_device
 from tlt.precision import autocast
 from tlt.rl.grpo import kl_k3, masked_mean, policy_loss
 from tlt.rl.logprobs import ForwardOut, forward_logprobs
+from tlt.versions import bump
 
 _ADAM_BETAS = (0.9, 0.999)  # torch AdamW's own defaults, spelled out so both backends agree
 _ADAM_EPS = 1e-8
@@ -186,6 +187,7 @@ class TorchUpdater:
                           aux_layer_ids=aux_layer_ids, on_forward=on_forward, precision=self.trainer.precision)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.trainer.grad_clip)
         self.optimizer.step()
+        bump(self.model)  # new policy weights: the rollout engines sync by this version
         self.optimizer.zero_grad(set_to_none=True)
         self.model.train(was_training)
         return _finish_stats(acc, float(grad_norm), self.optimizer.param_groups[0]["lr"])
@@ -277,6 +279,7 @@ class DeepSpeedUpdater:
         # ZeRO 1/2 record the pre-clip norm; stage 0 clips without keeping it, so measure it here.
         grad_norm = _grad_norm(self.model.parameters()) if self.trainer.zero_stage == 0 else None
         engine.step()
+        bump(self.model)  # written through ZeRO's flat buffers: only this version tells the engines
         engine.train(was_training)
         if grad_norm is None:
             grad_norm = engine.get_global_grad_norm()

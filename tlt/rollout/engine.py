@@ -24,7 +24,8 @@ from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
 from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
-from tlt.rollout.weights import RolloutCopy, fingerprint
+from tlt.rollout.weights import RolloutCopy
+from tlt.versions import Synced
 
 
 class RolloutEngine:
@@ -51,7 +52,7 @@ class RolloutEngine:
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
         self.guard = SpecGuard.from_config(cfg)  # per-tier SD switch-off below break-even (tlt.rollout.guard)
-        self._drafter_seen = fingerprint(self.drafter_master) if self.drafter_master is not None else None
+        self._drafter_synced = Synced(drafter=self.drafter_master)  # its version, when drafting with it directly
         self.probe_metrics = self._probe_copy() if self.drafter_copy is not None else {}
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
@@ -130,8 +131,8 @@ class RolloutEngine:
         return batch
 
     def _sync_drafter(self) -> None:
-        """New drafter weights (a refresh, a spot-trainer load, a checkpoint): rounded into the
-        rollout-dtype copy, which must then pass the guard's probe, and the spec guard re-armed."""
+        """New drafter weights (its version moved: a refresh, a spot-trainer load, a checkpoint): rounded
+        into the rollout-dtype copy, which must then pass the guard's probe, and the spec guard re-armed."""
         if self.drafter_master is None:
             return
         if self.drafter_copy is not None:
@@ -139,8 +140,8 @@ class RolloutEngine:
             if changed:
                 self.probe_metrics = self._probe_copy()
         else:
-            seen = fingerprint(self.drafter_master)
-            changed, self._drafter_seen = seen != self._drafter_seen, seen
+            changed = bool(self._drafter_synced.moved(drafter=self.drafter_master))
+            self._drafter_synced.take(drafter=self.drafter_master)
         if changed:
             self.guard.rearm()
 

@@ -10,7 +10,7 @@ never imports vllm. What crosses over:
     model in place (vllm_ext.py). Only an export whose config changed (other shapes) rebuilds;
   - prompts and sampling options in, token ids, log-probs, finish reasons and vLLM's per-request
     speculative counters out (turned into tlt's RolloutBatch and its stats).
-Weights are synced before every `generate` whose weights changed (content fingerprints), and by
+Weights are synced before every `generate` whose weights' version moved (tlt.versions), and by
 `sync()` after each policy update (timed apart: `timing_s/sync`; `rollout/vllm_rebuilds` stays 0).
 Hardware options (`rollout.vllm`, sleep mode around the update) are resolved by the worker (vllm_options.py).
 
@@ -61,7 +61,7 @@ from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
-from tlt.rollout.weights import digest, fingerprint
+from tlt.versions import Synced
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -176,8 +176,7 @@ class VllmRolloutEngine:
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
         self.dtype, self._probe = dtype, None
         self.probe_metrics = self._check_drafter()
-        self._sent = self._state()
-        self._drafter_digest = digest(self.drafter) if self.method == "eagle3" else None
+        self._synced = Synced(**self._modules())
 
     @classmethod
     def for_run(cls, model, tokenizer, cfg, eos_ids: list[int], drafter, run_dir: Path) -> "VllmRolloutEngine":
@@ -190,9 +189,8 @@ class VllmRolloutEngine:
                    colocated=cfg.trainer.world_size == 1)  # the update runs in this process
 
     # ---- weights -------------------------------------------------------------------------
-    def _state(self) -> dict:
-        return {"policy": fingerprint(self.model),
-                "drafter": fingerprint(self.drafter) if self.method == "eagle3" else None}
+    def _modules(self) -> dict:
+        return {"policy": self.model, "drafter": self.drafter if self.method == "eagle3" else None}
 
     def _next_dir(self, kind: str) -> Path:
         self._serial += 1
@@ -218,14 +216,10 @@ class VllmRolloutEngine:
         """
         self.model = model if model is not None else self.model
         self.drafter = drafter if drafter is not None else self.drafter
-        woken, now = self._wake(), self._state()  # weights are synced while awake
-        policy, drafter_changed = now["policy"] != self._sent["policy"], now["drafter"] != self._sent["drafter"]
-        new_digest = self._drafter_digest
-        if drafter_changed:  # versions moved; a load of the same values must not cost a reload
-            new_digest = digest(self.drafter)
-            drafter_changed = new_digest != self._drafter_digest
-        if not (policy or drafter_changed):
-            self._sent = now
+        woken, now = self._wake(), self._modules()  # weights are synced while awake
+        moved = self._synced.moved(**now)
+        policy, drafter_changed = "policy" in moved, "drafter" in moved
+        if not moved:
             return woken
         t0 = time.perf_counter()
         old = (self._policy_dir, self._drafter_dir)
@@ -241,7 +235,7 @@ class VllmRolloutEngine:
         self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
         if new_drafter is not None and self.guard is not None:
             self.guard.rearm()  # a new drafter may speculate in every tier again
-        self._sent, self._drafter_digest = now, new_digest
+        self._synced.take(**now)
         self.rebuilds += reply["mode"] == "rebuild"
         for path in old:
             if path is not None and path not in (self._policy_dir, self._drafter_dir):

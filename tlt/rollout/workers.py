@@ -3,8 +3,10 @@
 Each worker runs its own `RolloutEngine` (own KV cache, own tuner, its share of the CPU threads)
 over the *same* policy and drafter tensors as the trainer: the parameters live in shared memory
 (`share_memory_()` in place, so the optimizer's in-place updates are seen by every worker with no
-copy and no disk). A backend that rebinds parameters (DeepSpeed's flat buffers) is caught by
-`sync()`, which copies only tensors whose storage moved.
+copy and no disk). When the policy's or the drafter's version moved (tlt.versions), `sync()`
+copies the tensors whose storage a backend rebound (DeepSpeed's flat buffers) into the shared ones,
+and every worker learns the new versions with its next shard (its engine then refreshes a
+rollout-dtype copy and re-arms its spec guard).
 
 `generate` has the engine's signature and returns one merged `RolloutBatch` in the same
 group-major order as a single engine would. When the first worker finishes its shard while the
@@ -23,6 +25,7 @@ import torch.multiprocessing as mp
 
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
+from tlt.versions import Synced, bump, version_of
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
@@ -56,7 +59,7 @@ def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idl
 
 
 def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, rollout_json: str, eos_ids, pad_id,
-            threads: int, tuner_seed: int | None, cmd, res) -> None:
+            threads: int, tuner_seed: int | None, versions: dict[str, int], cmd, res) -> None:
     torch.set_num_threads(threads)
     # deferred: this runs in the spawned worker process, which imports only what it decodes with
     from tlt.config import RolloutConfig
@@ -82,7 +85,11 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
         msg = cmd.get()
         if msg[0] == "exit":
             return
-        prompts, kwargs = msg[1], msg[2]
+        prompts, kwargs, now = msg[1], msg[2], msg[3]
+        for name, module in (("policy", model), ("drafter", drafter)):
+            if now[name] != versions[name]:  # the trainer wrote the shared tensors: this engine's copy is stale
+                bump(module)
+        versions = now
         t0 = time.perf_counter()
         batch = engine.generate(prompts, **kwargs)
         res.put((rank, "done", (batch, time.perf_counter() - t0)))
@@ -102,6 +109,7 @@ class WorkerPool:
         model.share_memory()  # in place: the trainer's updates reach the workers with no copy
         self._policy = dict(model.state_dict())
         self._dstate = None
+        self._synced = Synced(policy=model, drafter=self._drafter)
         if self._drafter is not None:
             self._drafter.share_memory()
             self._dstate = dict(self._drafter.state_dict())
@@ -117,7 +125,7 @@ class WorkerPool:
             cmd = ctx.Queue()
             p = ctx.Process(target=_worker, daemon=True, name=f"tlt-rollout-{rank}", args=(
                 rank, type(model), model.config, self._policy, dargs, cfg.model_dump_json(), list(eos_ids), pad_id,
-                threads, (seed * 1000 + rank) if cfg.tuner else None, cmd, self.res))
+                threads, (seed * 1000 + rank) if cfg.tuner else None, self._versions(), cmd, self.res))
             p.start()
             self.cmds.append(cmd)
             self.procs.append(p)
@@ -128,20 +136,26 @@ class WorkerPool:
         """Nothing to hand to the update: the workers decode from shared host memory."""
         return {}
 
-    def sync(self, model=None) -> dict[str, float]:
-        """Copy the tensors whose storage moved (a backend rebound them) into the shared ones.
+    def _versions(self) -> dict[str, int]:
+        return {"policy": version_of(self._model), "drafter": version_of(self._drafter)}
 
-        The same hook as the vLLM engine's (called after each policy update); `model` is ignored:
-        the pool always syncs the model it was built on. Returns how many tensors were copied."""
+    def sync(self, model=None) -> dict[str, float]:
+        """When a version moved: copy the tensors whose storage a backend rebound into the shared ones.
+
+        The same hook as the vLLM engine's (called after each policy update, and before every
+        rollout); `model` is ignored: the pool always syncs the model it was built on. Returns how
+        many tensors were copied."""
+        moved = self._synced.moved(policy=self._model, drafter=self._drafter)
         copied = 0
         with torch.no_grad():
-            for live, shared in ((self._model.state_dict(), self._policy),
-                                 (self._drafter.state_dict() if self._drafter is not None else {},
-                                  self._dstate or {})):
-                for k, v in live.items():
+            for name, module, shared in (("policy", self._model, self._policy), ("drafter", self._drafter, self._dstate)):
+                if name not in moved or module is None:
+                    continue
+                for k, v in module.state_dict().items():
                     if v.data_ptr() != shared[k].data_ptr():
                         shared[k].copy_(v)
                         copied += 1
+        self._synced.take(policy=self._model, drafter=self._drafter)
         return {"rollout/sync_tensors_copied": float(copied)}
 
     def _get(self, timeout: float):
@@ -162,13 +176,13 @@ class WorkerPool:
                  on_tail: Callable[[int], None] | None = None) -> RolloutBatch:
         """Same contract as `RolloutEngine.generate`; shard i samples with seed `seed + i`. The tail
         (`on_tail`) starts when the first worker finishes its shard while the others decode on."""
-        self.sync()
+        self.sync()  # weights written outside an RL step's sync (a refresh, a resumed checkpoint)
         sizes = shard_sizes(len(prompts), self.n)
         t0, start = time.perf_counter(), 0
         for i, size in enumerate(sizes):
             kw = dict(group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                       seed=seed + i, spec=spec, spec_threshold=spec_threshold)
-            self.cmds[i].put(("generate", prompts[start:start + size], kw))
+            self.cmds[i].put(("generate", prompts[start:start + size], kw, self._versions()))
             start += size
         parts: dict[int, RolloutBatch] = {}
         finished_at: dict[int, float] = {}
