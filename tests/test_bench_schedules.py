@@ -1,4 +1,4 @@
-"""bench/schedules.py at tiny scale (conf/smoke.yaml, 2 RL steps): each schedule delivers what it
+"""bench/adaptive.py --schedules at tiny scale (conf/smoke.yaml, 2 RL steps): each schedule delivers what it
 promises -- none trains nothing, the sequential budget is exact, the spot trainer is counted.
 No timing assertions (shared machines)."""
 from pathlib import Path
@@ -7,12 +7,13 @@ import pytest
 from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-bench = load_bench("schedules")
+bench = load_bench("adaptive")
 
 
 @pytest.mark.slow
 def test_schedules_smoke(tmp_path):
-    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--steps", "2", "--drafter-steps", "3",
+    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--schedules", "none,spot,sequential", "--steps", "2",
+                      "--drafter-steps", "3",
                       "--out-dir", str(tmp_path / "runs"), "--json", str(tmp_path / "s.json")])
     arms, per = res["arms"], res["per_step"]
     assert set(arms) == {"none", "spot", "sequential"}
