@@ -3,6 +3,7 @@
     python bench/adaptive.py conf/default.yaml --json out.json [--steps 5] [--rl-lr 1e-4] [--drafter-steps 4]
         [--eval-prompts 64] [--eval-tokens 48] [--oracle-steps 32] [--set k=v ...]
     python bench/adaptive.py conf/default.yaml --schedules none,spot,sequential --steps 3 [--drafter-steps 4]
+    python bench/adaptive.py conf/default.yaml --schedules frozen,every_k,payoff --steps 8
 
 Drift (default): one RL run with SD off in its rollouts (the policy does not depend on the drafter)
 and a raised `rl.lr`. Its own refresher (`--drafter-steps` sequential steps after every update) is
@@ -14,10 +15,14 @@ depth-4 chain (tlt.drafter.accept_eval: exact greedy accept length and first-dra
 paired bootstrap CIs), and the drift (share of changed greedy tokens, mean KL(pi_t || pi_0)); at
 the end one real SD run per arm (bench/rollout.py at batch 1). Figures go to MLflow (`--mlflow-uri`).
 
-Schedules (`--schedules`): one run per arm, interleaved step by step, SD as configured. none
+Schedules (`--schedules`): one run per arm on the same prompts, interleaved step by step. none
 (`drafter.schedule: frozen`), spot (`drafter.where: spot`: trains in the rollout's tail) and
-sequential (`drafter.where: sequential`: `--drafter-steps` steps after the update); per arm the
-drafter steps and seconds per RL step, rollout and step seconds and the slowdown against none.
+sequential (`drafter.where: sequential`: `--drafter-steps` steps after the update), SD as configured;
+frozen, every_k (k = 1) and payoff (`drafter.schedule`) with SD on. Per arm: drafter steps and
+seconds per RL step, rollout and step seconds, the slowdown against none; `accept_len_ARM` (held-out
+greedy accept length after the warm-start and after every step), `drafter_s_ARM` and
+`drafter_steps_ARM` (drafter training in total); `payoff_accept_ratio` (payoff's mean accept length
+after the steps over every_k's) and `payoff_drafter_time_ratio` (payoff's drafter seconds over every_k's).
 """
 from __future__ import annotations
 
@@ -33,7 +38,10 @@ import harness
 DEPTH = 4
 ARMS = ("frozen", "adaptive", "control")
 SCHEDULES = {"none": ["drafter.schedule=frozen"], "spot": ["drafter.where=spot"],
-             "sequential": ["drafter.where=sequential"]}
+             "sequential": ["drafter.where=sequential"],  # the next three with SD on in the rollout
+             "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
+             "every_k": ["rollout.spec=true", "drafter.schedule=every_k", "drafter.refresh_every=1"],
+             "payoff": ["rollout.spec=true", "drafter.schedule=payoff"]}
 SCHEDULE_KEYS = ("step_s", "rollout_s", "update_policy_s", "drafter_s", "drafter_steps", "spec_enabled_share",
                  "tail_share", "accept_len")
 
@@ -282,14 +290,17 @@ def log_to_mlflow(tracker, res: dict) -> None:
 
 # ---------------------------------------------------------------- schedules
 def run_schedules(args, out_dir: Path) -> dict:
-    """One run per schedule, interleaved; per arm and step the drafter steps trained in that step."""
+    """One run per schedule, interleaved; per arm and step the drafter steps trained in that step and
+    the held-out accept length after it (index 0: after the warm-start)."""
     arms = args.schedules.split(",")
-    steps_set = [f"drafter.refresh_steps={args.drafter_steps}"] if args.drafter_steps else []
-    with harness.pipelines({a: harness.config(args, *harness.run_overrides(out_dir / a, args.steps), *steps_set,
+    sets = [f"drafter.refresh_steps={args.drafter_steps}"] if args.drafter_steps else []
+    accept = {a: [] for a in arms}
+    with harness.pipelines({a: harness.config(args, *harness.run_overrides(out_dir / a, args.steps), *sets,
                                               *SCHEDULES[a]) for a in arms}) as pipes:
-        for p in pipes.values():
+        for a, p in pipes.items():
             p.warmstart()
-        recs = harness.run_steps(pipes, args.steps)
+            accept[a].append(harness.heldout_accept_len(p))
+        recs = harness.run_steps(pipes, args.steps, lambda a, p, rec: accept[a].append(harness.heldout_accept_len(p)))
         budget = next(iter(pipes.values())).cfg.drafter.refresh_steps
     for runs in recs.values():
         total = 0.0
@@ -304,8 +315,22 @@ def run_schedules(args, out_dir: Path) -> dict:
         if "none" in mean:
             m["rollout_slowdown_vs_none"] = m["rollout_s"] / mean["none"]["rollout_s"]
             m["step_slowdown_vs_none"] = m["step_s"] / mean["none"]["step_s"]
-    return {"steps": args.steps, "excluded_from_means": "step 0 (empty buffer)",
-            "drafter_steps_budget": budget, "arms": mean, "per_step": per_step}
+    return {"steps": args.steps, "excluded_from_means": "step 0 (empty buffer)", "drafter_steps_budget": budget,
+            "arms": mean, "per_step": per_step, **payoff_keys(recs, accept)}
+
+
+def payoff_keys(recs: dict, accept: dict) -> dict:
+    """Per arm: held-out accept length per step, total drafter training seconds and steps; with the
+    payoff and every_k arms, payoff's mean accept length after the steps and its drafter seconds over
+    every_k's."""
+    out = {}
+    for a, runs in recs.items():
+        out.update({f"accept_len_{a}": accept[a], f"drafter_s_{a}": sum(r["drafter_train_s"] or 0.0 for r in runs),
+                    f"drafter_steps_{a}": max([r["drafter_steps_total"] or 0.0 for r in runs], default=0.0)})
+    if {"payoff", "every_k"} <= set(recs):
+        out["payoff_accept_ratio"] = float(np.mean(accept["payoff"][1:]) / np.mean(accept["every_k"][1:]))
+        out["payoff_drafter_time_ratio"] = out["drafter_s_payoff"] / max(out["drafter_s_every_k"], 1e-9)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -330,6 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
             "arm": ("schedule", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
             "drafter_s": ("drafter s", ".2f"), "drafter_steps": ("steps/RL", ".1f"),
             "drafter_share_of_step": ("drafter share", ".1%"), "step_slowdown_vs_none": ("step x", ".2f")})
+        harness.print_keys(res, ("payoff_accept_ratio", "payoff_drafter_time_ratio"))
         return harness.write_result(res, "adaptive", args, argv)
     from tlt.tracking import MlflowTracker
 

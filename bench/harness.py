@@ -1,9 +1,7 @@
-"""The harness every bench/ suite shares: the command line, benchmark runs (`Pipeline`s whose
-checkpoints go to a scratch folder), arms interleaved step by step with the order rotating (a
-shared machine's noise hits every arm alike), the A/B timer, the statistics and the results
-writer (every JSON starts with its provenance: command line, commit, machine, date, config hash).
-
-The suites reach a `Pipeline` only through `pipelines` and the helpers under "pipeline access".
+"""The harness every bench/ suite shares: the command line, benchmark runs (`Pipeline`s with their
+checkpoints in a scratch folder) and their arms interleaved step by step (the order rotating, so a
+shared machine's noise hits every arm alike), the A/B timer, the statistics, and the results writer
+(every JSON starts with its provenance: command line, commit, machine, date, config hash).
 bench/ is a folder of scripts, not a package: `load(name)` imports a sibling script as a module.
 """
 from __future__ import annotations
@@ -110,18 +108,16 @@ def workdir(path: str | None, prefix: str):
 
 
 @contextmanager
-def pipelines(cfgs: dict, prepare: bool = True):
-    """One `Pipeline` per arm (data validated and models loaded with `prepare`); all closed at the end."""
+def pipelines(cfgs: dict):
+    """One `Pipeline` per arm, data validated and models loaded; all closed at the end."""
     from tlt.pipeline import Pipeline
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pipes: dict = {}
     try:
         for arm, cfg in cfgs.items():
             pipes[arm] = Pipeline(cfg)
-            if prepare:
-                pipes[arm].validate_data()
-                pipes[arm].prepare()
+            pipes[arm].validate_data()
+            pipes[arm].prepare()
         yield pipes
     finally:
         for p in pipes.values():
@@ -134,25 +130,18 @@ def rotated(order: list, i: int) -> list:
     return list(order[k:]) + list(order[:k])
 
 
-def interleave(pipes: dict, steps: int, on_step) -> None:
-    """RL steps 0..steps-1 of every arm, interleaved with the order rotating; `on_step(arm, step, summary)`."""
+def run_steps(pipes: dict, steps: int, on_step=None) -> dict[str, list[dict]]:
+    """RL steps 0..steps-1 of every arm, interleaved with the order rotating every step; each step's
+    `step_record` kept per arm, a line printed and `on_step(arm, pipe, record)` called."""
+    records: dict[str, list[dict]] = {arm: [] for arm in pipes}
     for step in range(steps):
         for arm in rotated(list(pipes), step):
-            on_step(arm, step, pipes[arm].rl_step(step))
-
-
-def run_steps(pipes: dict, steps: int, on_step=None) -> dict[str, list[dict]]:
-    """`interleave` keeping every step's `step_record` per arm, one line printed per step."""
-    records: dict[str, list[dict]] = {arm: [] for arm in pipes}
-
-    def record(arm, step, s):
-        records[arm].append(step_record(s))
-        print(f"step {step} {arm:>11}: {s.step_s:7.1f} s, reward {s.reward_mean:.3f}, accept {s.accept_len or 0:.2f}",
-              flush=True)
-        if on_step is not None:
-            on_step(arm, step, s)
-
-    interleave(pipes, steps, record)
+            s = pipes[arm].rl_step(step)
+            records[arm].append(step_record(s))
+            print(f"step {step} {arm:>11}: {s.step_s:7.1f} s, reward {s.reward_mean:.3f}, "
+                  f"accept {s.accept_len or 0:.2f}", flush=True)
+            if on_step is not None:
+                on_step(arm, pipes[arm], records[arm][-1])
     return records
 
 
@@ -171,6 +160,7 @@ def step_record(summary) -> dict:
            "guard_tripped": "spec/guard_tripped"}
     zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
     return {**{k: m.get(key, 0.0 if k in zero else None) for k, key in get.items()},
+            "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),  # sequential or spot
             "rewards": [float(s["reward"]) for s in samples], "group_index": [ids.index(s["prompt_id"]) for s in samples],
             "prompts": list(dict.fromkeys(s["prompt"] for s in samples))}
 
@@ -188,6 +178,12 @@ def same_warmstart(pipes: dict) -> bool:
             same = False
             p.drafter.load_state_dict(ref, strict=True)
     return same
+
+
+def heldout_accept_len(pipe) -> float:
+    """Greedy accept length of the run's drafter on the first `drafter.warmstart_eval_prompts` held-out
+    prompts (tuner off, the fixed `drafter.eval_strategy`)."""
+    return pipe.heldout_accept_len()
 
 
 def evaluate(pipe, step: int, sd: str = "config") -> tuple:
@@ -279,9 +275,9 @@ def print_table(rows: list[dict], columns: dict) -> None:
 
 
 def print_keys(res: dict, keys) -> None:
-    """One aligned `key: value` line per key of the result."""
-    for k in keys:
-        v = res.get(k)
+    """One aligned `key: value` line per key the result holds."""
+    for k in (k for k in keys if k in res):
+        v = res[k]
         print(f"{k:>30}: {v:.3f}" if isinstance(v, float) else f"{k:>30}: {v}")
 
 

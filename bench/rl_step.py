@@ -94,25 +94,26 @@ def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]
 
 
 def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
+    """bench/trl_grpo.py in `.venv-trl` on the same prompts, lengths and GRPO settings."""
     from tlt.models import bundled_smollm2_dir
 
     write_trl_prompts(train_rows, cfg, steps, out_dir / "trl_prompts.jsonl")
-    per_device, accum = trl_batching(cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.trainer.micro_batch_size)
     r, rl = cfg.rollout, cfg.rl
-    args = {"model_dir": str(bundled_smollm2_dir(cfg.model.cache_dir)), "prompts": str(out_dir / "trl_prompts.jsonl"),
-            "out_json": str(out_dir / "trl.json"), "output_dir": str(out_dir / "trl"), "steps": steps,
-            "num_generations": r.group_size, "max_completion_length": r.max_new_tokens, "temperature": r.temperature,
-            "top_p": r.top_p, "lr": rl.lr, "weight_decay": rl.weight_decay, "max_grad_norm": cfg.trainer.grad_clip,
+    per_device, accum = trl_batching(r.prompts_per_step, r.group_size, cfg.trainer.micro_batch_size)
+    grpo = {"output_dir": str(out_dir / "trl"), "max_steps": steps, "learning_rate": rl.lr,
+            "weight_decay": rl.weight_decay, "max_grad_norm": cfg.trainer.grad_clip, "num_generations": r.group_size,
+            "max_completion_length": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
             "epsilon": rl.clip_low, "epsilon_high": rl.clip_high, "beta": rl.kl_coef, "seed": rl.seed,
             "per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum,
             "bf16": cfg.trainer.precision == "bf16-mixed"}  # TRL at tlt's precision: fp32 weights, bf16 autocast
+    args = {"model_dir": str(bundled_smollm2_dir(cfg.model.cache_dir)), "prompts": str(out_dir / "trl_prompts.jsonl"),
+            "out_json": str(out_dir / "trl.json"), "grpo": grpo}
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run([str(ensure_trl_venv()), str(harness.ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")],
                    check=True, env=env)
-    out = json.loads((out_dir / "trl.json").read_text())
-    out["batching"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}
-    return out
+    return {**json.loads((out_dir / "trl.json").read_text()),
+            "batching": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}}
 
 
 # ---------------------------------------------------------------- result
