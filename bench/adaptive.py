@@ -100,8 +100,8 @@ def oracle_drafter(pipe, n_prompts: int, n_steps: int):
     for s in rollout_samples(pipe, prompts, pipe.cfg.rollout.temperature or 1.0, seed=seed)[1]:
         ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], s["loss_mask"])
     m = ref.refresh(0)
-    return ref.drafter, {"steps": int(m.get("drafter/steps", 0)), "buffer_tokens": int(m.get("drafter/buffer_tokens", 0)),
-                         "train_s": m.get("drafter/train_s", 0.0), "prompts": len(prompts)}
+    return ref.drafter, {"steps": int(m.get("drafter/steps", 0)), "train_s": m.get("drafter/train_s", 0.0),
+                         "buffer_tokens": int(m.get("drafter/buffer_tokens", 0)), "prompts": len(prompts)}
 
 
 # ---------------------------------------------------------------- drift: one policy snapshot
@@ -185,7 +185,8 @@ def sd_check(pipe, drafters: dict, out_dir: Path, args) -> dict:
         out[name] = {"speedup_vs_plain": row["speedup_vs_plain"], "spec_tok_s": row["spec_tok_s"],
                      "plain_tok_s": row["plain_tok_s"], "accept_len": row["accept_len_mean"],
                      "accept_len_greedy_measure": res["accept_len_greedy"],
-                     "accept_len_sampled_measure": res["accept_len_sampled"], "greedy_identical": res["greedy_identical"]}
+                     "accept_len_sampled_measure": res["accept_len_sampled"],
+                     "greedy_identical": res["greedy_identical"]}
     return out
 
 
@@ -193,10 +194,10 @@ def sd_check(pipe, drafters: dict, out_dir: Path, args) -> dict:
 def run_drift(args, out_dir: Path, tracker) -> dict:
     d = harness.config(args).drafter
     n_drafter = args.drafter_steps or d.refresh_steps
-    cfg = harness.config(args, *harness.run_overrides(out_dir / "runs"), "rollout.spec=false", "drafter.where=sequential",
-                         "drafter.schedule=every_k", "drafter.refresh_every=1", f"drafter.refresh_steps={n_drafter}",
-                         f"rl.steps={args.steps}", f"data.heldout_size={args.eval_prompts}",
-                         *([f"rl.lr={args.rl_lr}"] if args.rl_lr else []))
+    cfg = harness.config(args, *harness.run_overrides(out_dir / "runs"), "rollout.spec=false",
+                         "drafter.where=sequential", "drafter.schedule=every_k", "drafter.refresh_every=1",
+                         f"drafter.refresh_steps={n_drafter}", f"rl.steps={args.steps}",
+                         f"data.heldout_size={args.eval_prompts}", *([f"rl.lr={args.rl_lr}"] if args.rl_lr else []))
     with harness.pipelines({"adaptive": cfg}) as pipes:
         pipe = pipes["adaptive"]
         corpus = pipe.build_corpus()  # once, with its captured features: warm-start and control share it
@@ -237,7 +238,8 @@ def log_snapshot(tracker, step: int, snap: dict) -> None:
         tracker.log_metrics({"adaptive/drift_token_share": snap["drift"], "adaptive/kl": snap["kl"],
                              "adaptive/response_length": snap["response_len"],
                              **{f"adaptive/accept_len/{a}": e.accept_len for a, e in snap["evals"].items()},
-                             **{f"adaptive/first_accept/{a}": e.first_accept for a, e in snap["evals"].items()}}, step=step)
+                             **{f"adaptive/first_accept/{a}": e.first_accept for a, e in snap["evals"].items()}},
+                            step=step)
 
 
 def summarize_drift(out: dict, steps: int) -> dict:

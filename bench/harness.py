@@ -28,6 +28,14 @@ NO_CHECKPOINTS = 10 ** 6  # trainer.checkpoint_every of benchmark runs: never in
 ALPHA = 0.01
 PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over (step, prompt) "
                "pairs of the difference of group-mean rewards, {b} - {a} (same prompts per step), alpha 0.01")
+STEP_METRICS = {  # step record key -> the RL step's metric
+    "step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "update_policy_s": "timing_s/update_policy",
+    "update_drafter_s": "timing_s/update_drafter", "sync_s": "timing_s/sync", "reward_mean": "reward/mean",
+    "accept_len": "spec/accept_len/mean", "spec_enabled_share": "spec/enabled_share", "ngram_share": "spec/ngram_share",
+    "tail_share": "rollout/tail_share", "response_length_mean": "rollout/response_length/mean",
+    "tokens_per_target_forward": "rollout/tokens_per_target_forward", "drafter_spot_steps": "drafter/spot_steps",
+    "drafter_steps_total": "drafter/steps", "drafter_loss": "drafter/loss", "buffer_tokens": "drafter/buffer_tokens",
+    "rebuilds": "rollout/vllm_rebuilds", "guard_tripped": "spec/guard_tripped"}
 if str(ROOT / "bench") not in sys.path:  # the suites import this module and each other by name
     sys.path.insert(0, str(ROOT / "bench"))
 
@@ -83,6 +91,14 @@ def encode(cfg, tokenizer, texts) -> list[list[int]]:
     from tlt.data import prompt_ids
 
     return [prompt_ids(tokenizer, t, cfg.data.instruction, cfg.data.system_prompt) for t in texts]
+
+
+def heldout_prompts(cfg, tokenizer, n: int | None = None) -> list[list[int]]:
+    """The config's held-out prompts rendered as the pipeline renders them: all, or n (cycling)."""
+    from tlt.data import load_dataset
+
+    held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
+    return encode(cfg, tokenizer, [held[i % len(held)] for i in range(n or len(held))])
 
 
 # ---------------------------------------------------------------- runs
@@ -150,18 +166,11 @@ def step_record(summary) -> dict:
     """What a suite keeps of one RL step: its timings and metrics, the per-sample rewards by group."""
     m, samples = summary.metrics, summary.samples
     ids = list(dict.fromkeys(s["prompt_id"] for s in samples))
-    get = {"step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "update_policy_s": "timing_s/update_policy",
-           "update_drafter_s": "timing_s/update_drafter", "sync_s": "timing_s/sync", "accept_len": "spec/accept_len/mean",
-           "spec_enabled_share": "spec/enabled_share", "tail_share": "rollout/tail_share",
-           "response_length_mean": "rollout/response_length/mean", "drafter_spot_steps": "drafter/spot_steps",
-           "drafter_steps_total": "drafter/steps", "drafter_loss": "drafter/loss", "ngram_share": "spec/ngram_share",
-           "tokens_per_target_forward": "rollout/tokens_per_target_forward", "reward_mean": "reward/mean",
-           "buffer_tokens": "drafter/buffer_tokens", "rebuilds": "rollout/vllm_rebuilds",
-           "guard_tripped": "spec/guard_tripped"}
     zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
-    return {**{k: m.get(key, 0.0 if k in zero else None) for k, key in get.items()},
+    return {**{k: m.get(key, 0.0 if k in zero else None) for k, key in STEP_METRICS.items()},
             "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),  # sequential or spot
-            "rewards": [float(s["reward"]) for s in samples], "group_index": [ids.index(s["prompt_id"]) for s in samples],
+            "rewards": [float(s["reward"]) for s in samples],
+            "group_index": [ids.index(s["prompt_id"]) for s in samples],
             "prompts": list(dict.fromkeys(s["prompt"] for s in samples))}
 
 

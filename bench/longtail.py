@@ -43,8 +43,8 @@ def reward_stats(rewards: list[float], group_index: list[int]) -> dict[str, floa
     """Mean reward and the share of groups with reward variance (not every sample scored the same)."""
     r, g = np.asarray(rewards, dtype=float), np.asarray(group_index)
     groups = np.unique(g)
-    return {"accuracy": float(r.mean()), "groups_with_variance": float(np.mean([np.ptp(r[g == k]) > 0 for k in groups])),
-            "groups": len(groups)}
+    varied = [np.ptp(r[g == k]) > 0 for k in groups]
+    return {"accuracy": float(r.mean()), "groups_with_variance": float(np.mean(varied)), "groups": len(groups)}
 
 
 def timed_update(cfg, model, tensors, by_length: bool, seed: int) -> tuple[float, float]:

@@ -50,7 +50,8 @@ def rollout_tok_s(pipes: dict, reps: int = 2) -> dict:
             r = p.cfg.rollout
             prompts = p.prompt_ids(p.dataset.heldout["prompt"][: r.prompts_per_step])
             for spec in (False, True):
-                batch, dt = harness.timed(lambda: p.engine.generate(prompts, group_size=r.group_size, spec=spec, seed=rep))
+                batch, dt = harness.timed(
+                    lambda: p.engine.generate(prompts, group_size=r.group_size, spec=spec, seed=rep))
                 out.setdefault(f"{arm}_{'sd' if spec else 'plain'}", []).append(sum(map(len, batch.response_ids)) / dt)
     return {k: sum(v) / len(v) for k, v in out.items()}
 

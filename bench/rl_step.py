@@ -110,8 +110,8 @@ def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
             "out_json": str(out_dir / "trl.json"), "grpo": grpo}
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    subprocess.run([str(ensure_trl_venv()), str(harness.ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")],
-                   check=True, env=env)
+    script = harness.ROOT / "bench" / "trl_grpo.py"
+    subprocess.run([str(ensure_trl_venv()), str(script), str(out_dir / "trl_args.json")], check=True, env=env)
     return {**json.loads((out_dir / "trl.json").read_text()),
             "batching": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}}
 
@@ -143,7 +143,8 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
             "drafter_overhead_share": sum(s["update_drafter_s"] for s in a) / sum(s["step_s"] for s in a),
             "drafter_sync_share": sum(s["sync_s"] for s in a) / sum(s["step_s"] for s in a),
             "same_warmstart_drafter": tlt["same_warmstart_drafter"],
-            "same_prompts": all(r["steps"][i]["prompts"] == a[i]["prompts"] for r in runs.values() for i in range(steps)),
+            "same_prompts": all(r["steps"][i]["prompts"] == a[i]["prompts"] for r in runs.values()
+                                for i in range(steps)),
             "greedy_eval_identical": bool(runs["adaptive"]["greedy_identical"] and runs["frozen"]["greedy_identical"]),
             **parity(runs["plain"]["steps"], a), "curves": curves, "eval": {m: runs[m]["eval"] for m in runs},
             "trl": trl}

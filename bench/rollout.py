@@ -32,18 +32,10 @@ QUESTIONS = [
 ]
 
 
-def task_prompts(cfg, tokenizer, n: int) -> list[list[int]]:
-    """n held-out prompts of the config's dataset (cycling), rendered as the pipeline renders them."""
-    from tlt.data import load_dataset
-
-    held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
-    return harness.encode(cfg, tokenizer, [held[i % len(held)] for i in range(n)])
-
-
 def prompts_for(cfg, tok, kind: str, n: int, instruction: str = "") -> list[list[int]]:
     """n task prompts, or n chat-templated QUESTIONS (cycling, `instruction` appended)."""
     if kind == "task":
-        return task_prompts(cfg, tok, n)
+        return harness.heldout_prompts(cfg, tok, n)
     chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + instruction}] for i in range(n)]
     ids = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
     return [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
@@ -69,7 +61,8 @@ def batch_row(plain, spec, model, batches, pad_id, eos_ids, max_new, reps) -> tu
     plain_s, spec_s, hf = n_tok / t_plain, n_tok / t_spec, n_hf / t_hf
     passes = sum(x.stats.spec_row_passes for x in b)
     return {"batch": len(batches[0]), "prompts": sum(map(len, batches)), "plain_tok_s": plain_s, "spec_tok_s": spec_s,
-            "hf_tok_s": hf, "speedup_vs_plain": spec_s / plain_s, "speedup_vs_hf": spec_s / hf, "plain_vs_hf": plain_s / hf,
+            "hf_tok_s": hf, "speedup_vs_plain": spec_s / plain_s, "speedup_vs_hf": spec_s / hf,
+            "plain_vs_hf": plain_s / hf,
             "accept_len_mean": sum(x.stats.spec_tokens for x in b) / max(passes, 1)}, \
         all(x.response_ids == y.response_ids for x, y in zip(a, b))
 
@@ -78,7 +71,8 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps) -> dict:
     """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
     r = cfg.rollout
     plain = RolloutEngine(model, r, eos_ids, pad_id)
-    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=StrategyTuner.from_config(r) if r.tuner else None)
+    tuner = StrategyTuner.from_config(r) if r.tuner else None
+    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
     kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
     best = harness.best_of({"plain": lambda: plain.generate(prompts, spec=False, **kw),
                             "spec": lambda: spec.generate(prompts, spec=True, **kw)}, reps)
@@ -101,7 +95,8 @@ def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     point = RolloutEngine(model, r.model_copy(update={"sampled_drafts": False}), eos, tok.pad_token_id, drafter=drafter)
     greedy = accept_report(eng, held, cfg, 0.0)
     reduced = drafter is not None and drafter.draft_vocab_size < drafter.vocab_size
-    return {"accept_len_greedy": greedy.accept_len, "accept_len_sampled": accept_report(eng, held, cfg, temp).accept_len,
+    return {"accept_len_greedy": greedy.accept_len,
+            "accept_len_sampled": accept_report(eng, held, cfg, temp).accept_len,
             "accept_len_sampled_point_mass": accept_report(point, held, cfg, temp).accept_len,
             "vocab_coverage": vocab_coverage(drafter.t2d if reduced else None, greedy.responses),
             "accept_strategy": cfg.drafter.eval_strategy.name, "accept_prompts": n}
@@ -131,7 +126,8 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
         rows.append(row)
         identical &= same
         print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
-              f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f}", flush=True)
+              f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f}",
+              flush=True)
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
               "threads": torch.get_num_threads(), "greedy_identical": identical, "rows": rows,
               "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}
@@ -153,7 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--row-prompts", type=int, default=16, help="prompts per row: batch b runs row_prompts / b batches")
     ap.add_argument("--no-grpo", action="store_true")
     ap.add_argument("--tuner", action="store_true", help="SD rows: the configured strategy tuner, not rollout.strategy")
-    ap.add_argument("--prompts", choices=("generic", "task"), default="generic", help="chat questions or held-out prompts")
+    ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
+                    help="generic chat questions, or the config's held-out prompts")
     args = harness.parse(ap, argv)
     cfg = harness.config(args)
     if args.drafter is not None and not (Path(args.drafter) / "config.json").is_file():

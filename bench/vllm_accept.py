@@ -31,22 +31,14 @@ def target_dir(cfg) -> Path:
     return path
 
 
-def heldout_prompts(cfg, n: int | None) -> list[list[int]]:
-    """The held-out split's prompts (all, or the first n), token ids as the pipeline renders them."""
-    from tlt.data import load_dataset
-
-    tok = load_tokenizer(cfg.model)
-    held = load_dataset(cfg.data, tok).heldout["prompt"].tolist()
-    return harness.encode(cfg, tok, held[:n] if n else held)
-
-
 def summarize(result: dict) -> dict:
     """vLLM's counters -> accept length, per-position acceptance, and the greedy check."""
     m, k, n = result["metrics"], result["k"], result["max_tokens"]
     drafts = max(m["vllm:spec_decode_num_drafts"], 1)
     same = [s == b[:len(s)] and (len(s) == n or len(s) == len(b)) for s, b in zip(result["spec"], result["baseline"])]
     return {"accept_len": 1 + m["vllm:spec_decode_num_accepted_tokens"] / drafts,
-            "num_drafts": m["vllm:spec_decode_num_drafts"], "accepted_tokens": m["vllm:spec_decode_num_accepted_tokens"],
+            "num_drafts": m["vllm:spec_decode_num_drafts"],
+            "accepted_tokens": m["vllm:spec_decode_num_accepted_tokens"],
             "accept_rate_per_pos": [a / drafts for a in m["vllm:spec_decode_num_accepted_tokens_per_pos"]],
             "greedy_identical": all(same), "mismatches": same.count(False), "prompts": len(same), "k": k,
             "max_tokens": n, "response_tokens": sum(len(s) for s in result["spec"]),
@@ -56,7 +48,7 @@ def summarize(result: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__)
     ap.add_argument("--drafter", required=True, help="EAGLE-3 export directory (tlt drafter warmstart --export)")
-    ap.add_argument("--prompts", type=int, default=None, help="first N held-out prompts (default: all)")
+    ap.add_argument("--prompts", type=int, default=None, help="N held-out prompts (default: all)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--ignore-eos", action="store_true", help="fixed-length decoding past EOS")
@@ -65,8 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not Path(args.vllm_python).exists():
         sys.exit(f"vllm_accept: no vLLM venv at {args.vllm_python}; build it with `bash bench/vllm_venv.sh`")
     cfg = harness.config(args)
+    prompts = harness.heldout_prompts(cfg, load_tokenizer(cfg.model), args.prompts)
     with tempfile.TemporaryDirectory(prefix="vllm_accept-") as tmp:  # vLLM cannot load into tlt's venv
-        (Path(tmp) / "prompts.json").write_text(json.dumps(heldout_prompts(cfg, args.prompts)))
+        (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
         cmd = [args.vllm_python, str(harness.ROOT / "tlt" / "vllm_check.py"), str(target_dir(cfg)),
                str(Path(args.drafter).resolve()), str(Path(tmp) / "prompts.json"), "--k", str(args.k),
                "--max-tokens", str(args.max_tokens), "--out", str(Path(tmp) / "result.json"),
@@ -77,7 +70,8 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"vllm_accept: vllm_check.py failed (rc {proc.returncode}); log tail:\n{proc.stdout[-4000:]}")
         res = summarize(json.loads((Path(tmp) / "result.json").read_text()))
     res.update(config=args.config, drafter=str(args.drafter), ignore_eos=args.ignore_eos)
-    harness.print_keys(res, ("prompts", "k", "response_tokens", "accept_len", "accept_rate_per_pos", "greedy_identical"))
+    harness.print_keys(res, ("prompts", "k", "response_tokens", "accept_len", "accept_rate_per_pos",
+                             "greedy_identical"))
     return harness.write_result(res, "vllm_accept", args, argv)
 
 
