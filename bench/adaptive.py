@@ -353,10 +353,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.schedules:
         with harness.workdir(args.out_dir, "tlt-bench-schedules-") as out_dir:
             res = run_schedules(args, out_dir)
-        harness.print_table([{"arm": a, **r} for a, r in res["arms"].items()], {
-            "arm": ("schedule", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
-            "drafter_s": ("drafter s", ".2f"), "drafter_steps": ("steps/RL", ".1f"),
-            "drafter_share_of_step": ("drafter share", ".1%"), "step_slowdown_vs_none": ("step x", ".2f")})
+        for arm, means in res["arms"].items():
+            print(f"{arm:>10}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
         harness.print_keys(res, ("payoff_accept_ratio", "payoff_drafter_time_ratio"))
         return harness.write_result(res, "adaptive", args, argv)
     from tlt.tracking import MlflowTracker

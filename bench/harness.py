@@ -274,15 +274,6 @@ def parity(base: list[dict], other: list[dict], names: tuple[str, str] = ("plain
             "welch_all_steps_match": bool(all(w >= ALPHA / len(welch) for w in welch))}
 
 
-def print_table(rows: list[dict], columns: dict) -> None:
-    """`rows` as an aligned text table; columns: key -> (title, format spec), e.g. {"step_s": ("step s", ".1f")}."""
-    cells = [[title for title, _ in columns.values()]]
-    cells += [["–" if r.get(k) is None else format(r[k], f) for k, (_, f) in columns.items()] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    for c in cells:
-        print(" ".join(v.rjust(w) for v, w in zip(c, widths)))
-
-
 def print_keys(res: dict, keys) -> None:
     """One aligned `key: value` line per key the result holds."""
     for k in (k for k in keys if k in res):

@@ -45,7 +45,7 @@ def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None)
         for arm, p in pipes.items():
             if p.cfg.rollout.spec:
                 runs[arm]["greedy_identical"], runs[arm]["eval"] = harness.greedy_identical(p, args.steps)
-            else:
+            elif p.cfg.rollout.backend != "vllm":  # a vLLM engine built without SD cannot measure accept lengths
                 ev = p.evaluate(args.steps)
                 runs[arm]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
         train_rows, cfg = pipes[names["plain"]].dataset.train, pipes[names["plain"]].cfg
@@ -161,15 +161,11 @@ def main(argv: list[str] | None = None) -> dict:
         vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(args, out_dir / "vllm")
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
         res = vllm_arms.merge(summarize(tlt, trl, args.steps), vllm)
-    rows = [{"run": m, **{k: mean_excluding_first([v or 0.0 for v in c[k]]) for k in CURVES[:4]},
-             "accept": res["eval"][m].get("accept_len"), "acc": res["eval"][m]["accuracy"]}
-            for m, c in res["curves"].items()] + ([{"run": "trl", "step_s": trl["step_s"]}] if trl else [])
-    harness.print_table(rows, {"run": ("run", "s"), "step_s": ("step s", ".1f"), "rollout_s": ("rollout s", ".1f"),
-                               "update_policy_s": ("policy s", ".1f"), "update_drafter_s": ("drafter s", ".2f"),
-                               "accept": ("accept", ".2f"), "acc": ("eval acc", ".3f")})
-    harness.print_keys(res, ("speedup_vs_plain", "speedup_frozen_vs_plain", "speedup_vs_trl", "rollout_speedup",
-                             "amdahl_bound", "drafter_overhead_share", "greedy_eval_identical", "reward_curves_match",
-                             "parity_p_value", "step_s_vllm_plain", "step_s_vllm_spec", "speedup_vllm_vs_torch_plain",
+    harness.print_keys(res, ("step_s_plain", "step_s_spec", "step_s_frozen", "step_s_trl", "speedup_vs_plain",
+                             "speedup_frozen_vs_plain", "speedup_vs_trl", "rollout_speedup", "amdahl_bound",
+                             "accept_len_adaptive", "accept_len_frozen", "drafter_overhead_share", "greedy_eval_identical",
+                             "reward_curves_match", "parity_p_value", "step_s_vllm_plain", "step_s_vllm_spec",
+                             "step_s_vllm_frozen", "speedup_vllm_vs_torch_plain", "speedup_vllm_vs_torch",
                              "vllm_rebuilds", "vllm_greedy_eval_identical"))
     return harness.write_result(res, "rl_step", args, argv)
 

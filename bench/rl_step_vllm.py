@@ -70,15 +70,5 @@ def merge(res: dict, runs: dict | None) -> dict:
     return res
 
 
-def print_lines(res: dict) -> None:
-    if "step_s_vllm_plain" not in res:
-        return
-    print(f"vLLM: step plain {res['step_s_vllm_plain']:.1f} s, tail SD {res['step_s_vllm_spec']:.1f} s, frozen "
-          f"{res['step_s_vllm_frozen']:.1f} s; rollout x{res['rollout_speedup_vllm']:.2f} (tail SD over plain); "
-          f"best vLLM step vs torch plain x{res['speedup_vllm_vs_torch_plain']:.2f}, vs best torch "
-          f"x{res['speedup_vllm_vs_torch']:.2f}; rebuilds {res['vllm_rebuilds']:.0f}; greedy identical "
-          f"{res['vllm_greedy_eval_identical']}")
-
-
 if __name__ == "__main__":
     raise SystemExit("run bench/rl_step.py: it runs these arms after its own")
