@@ -194,10 +194,11 @@ def sd_check(pipe, drafters: dict, out_dir: Path, args) -> dict:
 def run_drift(args, out_dir: Path, tracker) -> dict:
     d = harness.config(args).drafter
     n_drafter = args.drafter_steps or d.refresh_steps
-    cfg = harness.config(args, *harness.run_overrides(out_dir / "runs"), "rollout.spec=false",
-                         "drafter.where=sequential", "drafter.schedule=every_k", "drafter.refresh_every=1",
-                         f"drafter.refresh_steps={n_drafter}", f"rl.steps={args.steps}",
-                         f"data.heldout_size={args.eval_prompts}", *([f"rl.lr={args.rl_lr}"] if args.rl_lr else []))
+    cfg = harness.config(args, base=(*harness.run_overrides(out_dir / "runs"), "rollout.spec=false",
+                                     "drafter.where=sequential", "drafter.schedule=every_k", "drafter.refresh_every=1",
+                                     f"drafter.refresh_steps={n_drafter}", f"rl.steps={args.steps}",
+                                     f"data.heldout_size={args.eval_prompts}",
+                                     *([f"rl.lr={args.rl_lr}"] if args.rl_lr else [])))
     with harness.pipelines({"adaptive": cfg}) as pipes:
         pipe = pipes["adaptive"]
         corpus = pipe.build_corpus()  # once, with its captured features: warm-start and control share it
@@ -297,8 +298,8 @@ def run_schedules(args, out_dir: Path) -> dict:
     arms = args.schedules.split(",")
     sets = [f"drafter.refresh_steps={args.drafter_steps}"] if args.drafter_steps else []
     accept = {a: [] for a in arms}
-    with harness.pipelines({a: harness.config(args, *harness.run_overrides(out_dir / a, args.steps), *sets,
-                                              *SCHEDULES[a]) for a in arms}) as pipes:
+    base = (*harness.run_overrides(out_dir / "runs", args.steps), *sets)
+    with harness.pipelines({a: harness.config(args, *SCHEDULES[a], f"name={a}", base=base) for a in arms}) as pipes:
         for a, p in pipes.items():
             p.warmstart()
             accept[a].append(harness.heldout_accept_len(p))

@@ -79,11 +79,11 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Names
     return args
 
 
-def config(args, *extra: str):
-    """The RunConfig of args.config with args.overrides, then `extra` overrides."""
+def config(args, *extra: str, base: tuple = ()):
+    """The RunConfig of args.config with the overrides `base`, args.overrides, `extra` (the last wins)."""
     from tlt.config import load_config
 
-    return load_config(args.config, [*args.overrides, *extra])
+    return load_config(args.config, [*base, *args.overrides, *extra])
 
 
 def encode(cfg, tokenizer, texts) -> list[list[int]]:
