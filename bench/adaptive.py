@@ -5,24 +5,22 @@
     python bench/adaptive.py conf/default.yaml --schedules none,spot,sequential --steps 3 [--drafter-steps 4]
     python bench/adaptive.py conf/default.yaml --schedules frozen,every_k,payoff --steps 8
 
-Drift (default): one RL run with SD off in its rollouts (the policy does not depend on the drafter)
-and a raised `rl.lr`. Its own refresher (`--drafter-steps` sequential steps after every update) is
-the *adaptive* arm; from the same warm-started drafter, *frozen* never trains again, *control* runs
-the same refresher code and step count on the warm-start corpus, and the optional *oracle* is the
-final adaptive drafter plus `--oracle-steps` steps on the final policy's own rollouts. After every
-step, on the held-out prompts: the policy's greedy responses, every drafter teacher-forced through a
-depth-4 chain (tlt.drafter.accept_eval: exact greedy accept length and first-draft acceptance, with
-paired bootstrap CIs), and the drift (share of changed greedy tokens, mean KL(pi_t || pi_0)); at
-the end one real SD run per arm (bench/rollout.py at batch 1). Figures go to MLflow (`--mlflow-uri`).
+Drift (default): one RL run, SD off in its rollouts, a raised `rl.lr`. Its own refresher
+(`--drafter-steps` sequential steps after every update) is the *adaptive* arm; from the same
+warm-started drafter, *frozen* never trains again, *control* runs the same refresher code on the
+warm-start corpus, the optional *oracle* adds `--oracle-steps` steps on the final policy's own
+rollouts. After every step, on the held-out prompts: every drafter teacher-forced through a depth-4
+chain on the policy's greedy responses (tlt.drafter.accept_eval: accept length, first-draft
+acceptance, paired bootstrap CIs) and the drift (changed greedy tokens, mean KL(pi_t || pi_0)); at
+the end one real SD run per arm (bench/rollout.py, batch 1). Figures go to MLflow (`--mlflow-uri`).
 
-Schedules (`--schedules`): one run per arm on the same prompts, interleaved step by step. none
-(`drafter.schedule: frozen`), spot (`drafter.where: spot`: trains in the rollout's tail) and
-sequential (`drafter.where: sequential`: `--drafter-steps` steps after the update), SD as configured;
-frozen, every_k (k = 1) and payoff (`drafter.schedule`) with SD on. Per arm: drafter steps and
-seconds per RL step, rollout and step seconds, the slowdown against none; `accept_len_ARM` (held-out
-greedy accept length after the warm-start and after every step), `drafter_s_ARM` and
-`drafter_steps_ARM` (drafter training in total); `payoff_accept_ratio` (payoff's mean accept length
-after the steps over every_k's) and `payoff_drafter_time_ratio` (payoff's drafter seconds over every_k's).
+Schedules (`--schedules`): one run per arm on the same prompts, interleaved step by step: none
+(`drafter.schedule: frozen`), spot and sequential (`drafter.where`), SD as configured; frozen,
+every_k (k = 1) and payoff (`drafter.schedule`) with SD on. Per arm: drafter steps and seconds per
+RL step, rollout and step seconds, the slowdown against none; `accept_len_ARM` (held-out greedy
+accept length after the warm-start and every step), `drafter_s_ARM`, `drafter_steps_ARM` (training
+in total); `payoff_accept_ratio` (mean accept length after the steps, payoff over every_k) and
+`payoff_drafter_time_ratio` (drafter seconds, payoff over every_k).
 """
 from __future__ import annotations
 
@@ -351,6 +349,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mlflow-uri", default=None, help="tracking store (default: the project's mlflow/)")
     ap.add_argument("--no-mlflow", action="store_true")
     args = harness.parse(ap, argv)
+    if args.schedules and not set(args.schedules.split(",")) <= set(SCHEDULES):
+        ap.error(f"--schedules {args.schedules}: the arms are comma-separated names from {', '.join(SCHEDULES)}")
     if args.schedules:
         with harness.workdir(args.out_dir, "tlt-bench-schedules-") as out_dir:
             res = run_schedules(args, out_dir)
