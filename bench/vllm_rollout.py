@@ -14,7 +14,6 @@ policy change, `drafter_reload_s` after a drafter change; `rebuilds` must stay 0
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
