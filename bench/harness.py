@@ -1,14 +1,7 @@
-"""The benchmark harness every bench/ suite shares.
-
-- `parser`: the common command line (CONFIG, `--set key=value`, `--json OUT`, `--steps N`, `--out-dir`);
-- `run_overrides`, `pipelines`, `workdir`: building and closing benchmark runs (`Pipeline`s whose
-  checkpoints go to a scratch folder and whose final checkpoint is never written);
-- `interleave`, `rotated`, `best_of`, `timed`: arms interleaved step by step with the order rotating,
-  so a shared machine's noise hits every arm alike, and the A/B timer (best of reps);
-- `write_result`: the results writer; every JSON starts with its provenance (command line, git
-  commit, machine, date, hash of the resolved config), which `bench/render.py` shows next to each
-  number.
-
+"""The harness every bench/ suite shares: the command line, benchmark runs (`Pipeline`s with their
+checkpoints in a scratch folder) and their arms interleaved step by step (the order rotating, so a
+shared machine's noise hits every arm alike), the A/B timer, the statistics, and the results writer
+(every JSON starts with its provenance: command line, commit, machine, date, config hash).
 bench/ is a folder of scripts, not a package: `load(name)` imports a sibling script as a module.
 """
 from __future__ import annotations
@@ -32,6 +25,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ("command", "commit", "machine", "date", "config_hash")
 NO_CHECKPOINTS = 10 ** 6  # trainer.checkpoint_every of benchmark runs: never inside the timed steps
+ALPHA = 0.01
+PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over (step, prompt) "
+               "pairs of the difference of group-mean rewards, {b} - {a} (same prompts per step), alpha 0.01")
+STEP_METRICS = {  # step record key -> the RL step's metric
+    "step_s": "timing_s/step", "rollout_s": "timing_s/rollout", "update_policy_s": "timing_s/update_policy",
+    "update_drafter_s": "timing_s/update_drafter", "sync_s": "timing_s/sync", "reward_mean": "reward/mean",
+    "accept_len": "spec/accept_len/mean", "spec_enabled_share": "spec/enabled_share", "ngram_share": "spec/ngram_share",
+    "tail_share": "rollout/tail_share", "response_length_mean": "rollout/response_length/mean",
+    "tokens_per_target_forward": "rollout/tokens_per_target_forward", "drafter_spot_steps": "drafter/spot_steps",
+    "drafter_steps_total": "drafter/steps", "drafter_loss": "drafter/loss", "buffer_tokens": "drafter/buffer_tokens",
+    "rebuilds": "rollout/vllm_rebuilds", "guard_tripped": "spec/guard_tripped"}
+if str(ROOT / "bench") not in sys.path:  # the suites import this module and each other by name
+    sys.path.insert(0, str(ROOT / "bench"))
 
 
 def load(name: str):
@@ -39,18 +45,16 @@ def load(name: str):
     key = f"bench_{name}"
     if key not in sys.modules:
         spec = importlib.util.spec_from_file_location(key, ROOT / "bench" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[key] = mod
-        spec.loader.exec_module(mod)
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
     return sys.modules[key]
 
 
 # ---------------------------------------------------------------- command line
-def parser(doc: str, steps: int | None = None, out_dir: bool = False,
-           config: str | None = None) -> argparse.ArgumentParser:
-    """CONFIG (optional when `config` names a default), --json, --set (repeatable); --steps when the
-    suite runs RL steps; --out-dir when it keeps run folders (default: a temporary folder, removed).
-    Benchmarks run offline (HF_HUB_OFFLINE)."""
+def parser(doc: str, steps: int | None = None, out_dir: bool = False, config: str | None = None,
+           threads: bool = False) -> argparse.ArgumentParser:
+    """CONFIG (optional when `config` names a default), --json, --set (repeatable); --steps (RL steps
+    per arm), --out-dir (run folders kept; default a temporary folder) and --threads on request."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("config", **({"nargs": "?", "default": config} if config else {}))
@@ -60,7 +64,41 @@ def parser(doc: str, steps: int | None = None, out_dir: bool = False,
         ap.add_argument("--steps", type=int, default=steps, help=f"RL steps per arm (default {steps})")
     if out_dir:
         ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
+    if threads:
+        ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments; --threads applied."""
+    args = ap.parse_args(argv)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def config(args, *extra: str, base: tuple = ()):
+    """The RunConfig of args.config with the overrides `base`, args.overrides, `extra` (the last wins)."""
+    from tlt.config import load_config
+
+    return load_config(args.config, [*base, *args.overrides, *extra])
+
+
+def encode(cfg, tokenizer, texts) -> list[list[int]]:
+    """Prompt texts rendered as the pipeline renders them (chat template + data.instruction)."""
+    from tlt.data import prompt_ids
+
+    return [prompt_ids(tokenizer, t, cfg.data.instruction, cfg.data.system_prompt) for t in texts]
+
+
+def heldout_prompts(cfg, tokenizer, n: int | None = None) -> list[list[int]]:
+    """The config's held-out prompts rendered as the pipeline renders them: all, or n (cycling)."""
+    from tlt.data import load_dataset
+
+    held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
+    return encode(cfg, tokenizer, [held[i % len(held)] for i in range(n or len(held))])
 
 
 # ---------------------------------------------------------------- runs
@@ -86,39 +124,94 @@ def workdir(path: str | None, prefix: str):
 
 
 @contextmanager
-def pipelines(cfgs: dict, prepare: bool = True):
-    """One `Pipeline` per arm (data validated and models loaded with `prepare`); all closed at the end."""
+def pipelines(cfgs: dict):
+    """One `Pipeline` per arm, data validated and models loaded; all closed at the end."""
     from tlt.pipeline import Pipeline
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     pipes: dict = {}
     try:
         for arm, cfg in cfgs.items():
             pipes[arm] = Pipeline(cfg)
-            if prepare:
-                pipes[arm].validate_data()
-                pipes[arm].prepare()
+            pipes[arm].validate_data()
+            pipes[arm].prepare()
         yield pipes
     finally:
         for p in pipes.values():
             p.close()
 
 
-# ---------------------------------------------------------------- arms and timing
 def rotated(order: list, i: int) -> list:
     """`order` rotated by i: who goes first changes every step."""
     k = i % len(order)
     return list(order[k:]) + list(order[:k])
 
 
-def interleave(pipes: dict, steps: int, on_step) -> None:
-    """RL steps 0..steps-1 of every arm, interleaved step by step with the order rotating;
-    `on_step(arm, step, summary)` after each."""
+def run_steps(pipes: dict, steps: int, on_step=None) -> dict[str, list[dict]]:
+    """RL steps 0..steps-1 of every arm, interleaved with the order rotating every step; each step's
+    `step_record` kept per arm, a line printed and `on_step(arm, pipe, record)` called."""
+    records: dict[str, list[dict]] = {arm: [] for arm in pipes}
     for step in range(steps):
         for arm in rotated(list(pipes), step):
-            on_step(arm, step, pipes[arm].rl_step(step))
+            s = pipes[arm].rl_step(step)
+            records[arm].append(step_record(s))
+            print(f"step {step} {arm:>11}: {s.step_s:7.1f} s, reward {s.reward_mean:.3f}, "
+                  f"accept {s.accept_len or 0:.2f}", flush=True)
+            if on_step is not None:
+                on_step(arm, pipes[arm], records[arm][-1])
+    return records
 
 
+# ---------------------------------------------------------------- pipeline access
+def step_record(summary) -> dict:
+    """What a suite keeps of one RL step: its timings and metrics, the per-sample rewards by group."""
+    m, samples = summary.metrics, summary.samples
+    ids = list(dict.fromkeys(s["prompt_id"] for s in samples))
+    zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
+    return {**{k: m.get(key, 0.0 if k in zero else None) for k, key in STEP_METRICS.items()},
+            "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),  # sequential or spot
+            "rewards": [float(s["reward"]) for s in samples],
+            "group_index": [ids.index(s["prompt_id"]) for s in samples],
+            "prompts": list(dict.fromkeys(s["prompt"] for s in samples))}
+
+
+def same_warmstart(pipes: dict) -> bool:
+    """Warm-start every arm (the first builds the cache entry, the others hit it); True if all drafters
+    are equal (on a mismatch they are re-synced from the first arm's)."""
+    for p in pipes.values():
+        p.warmstart()
+    ref = next(iter(pipes.values())).drafter.state_dict()
+    same = True
+    for p in pipes.values():
+        sd = p.drafter.state_dict()
+        if sd.keys() != ref.keys() or any(not sd[k].equal(ref[k]) for k in ref):
+            same = False
+            p.drafter.load_state_dict(ref, strict=True)
+    return same
+
+
+def heldout_accept_len(pipe) -> float:
+    """Greedy accept length of the run's drafter on the first `drafter.warmstart_eval_prompts` held-out
+    prompts (tuner off, the fixed `drafter.eval_strategy`)."""
+    return pipe.heldout_accept_len()
+
+
+def evaluate(pipe, step: int, sd: str = "config") -> tuple:
+    """(EvalSummary, per-prompt records) of the held-out greedy evaluation."""
+    summary = pipe.evaluate(step, sd=sd)
+    return summary, pipe.last_eval_records
+
+
+def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
+    """Held-out greedy evaluation with SD on at every decode step, then off, on the same weights:
+    whether the responses are token-identical (greedy SD is lossless), and both evaluations."""
+    on, records_on = evaluate(pipe, step, "always")
+    off, records_off = evaluate(pipe, step, "off")
+    same = [a["response"] for a in records_on] == [b["response"] for b in records_off]
+    return same, {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy, "accept_len": on.accept_len,
+                  "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
+
+
+# ---------------------------------------------------------------- timing and statistics
 def timed(fn):
     """(fn(), seconds)."""
     t0 = time.perf_counter()
@@ -127,9 +220,8 @@ def timed(fn):
 
 
 def best_of(arms: dict, reps: int, warmup: int = 0) -> dict:
-    """The A/B timer: every arm (name -> zero-argument callable) run `warmup` times untimed (first
-    touches, caches), then once per rep, interleaved in the given order; name -> (best seconds,
-    output of the last run)."""
+    """The A/B timer: every arm (name -> zero-argument callable) run `warmup` times untimed, then once
+    per rep, interleaved in the given order; name -> (best seconds, output of the best run)."""
     for _ in range(warmup):
         for fn in arms.values():
             fn()
@@ -137,8 +229,14 @@ def best_of(arms: dict, reps: int, warmup: int = 0) -> dict:
     for _ in range(reps):
         for name, fn in arms.items():
             out, dt = timed(fn)
-            best[name] = (min(dt, best.get(name, (float("inf"),))[0]), out)
+            if dt < best.get(name, (float("inf"),))[0]:
+                best[name] = (dt, out)
     return best
+
+
+def mean_excluding_first(values: list[float]) -> float:
+    """Mean over steps 1..N-1 (step 0 pays one-off costs); the only value when N = 1."""
+    return float(np.mean(values[1:] if len(values) > 1 else values))
 
 
 def sign_flip_p(diffs, n_perm: int = 20_000) -> float:
@@ -149,18 +247,38 @@ def sign_flip_p(diffs, n_perm: int = 20_000) -> float:
     return float((1 + np.sum(null >= obs - 1e-12)) / (n_perm + 1))
 
 
-def mean_excluding_first(values: list[float]) -> float:
-    """Mean over steps 1..N-1 (step 0 pays one-off costs); the only value when N = 1."""
-    return float(np.mean(values[1:] if len(values) > 1 else values))
+def group_means(rewards: list[float], group_index: list[int]) -> np.ndarray:
+    r, g = np.asarray(rewards, float), np.asarray(group_index)
+    return np.array([r[g == k].mean() for k in sorted(set(group_index))])
 
 
-def print_table(rows: list[dict], columns: dict) -> None:
-    """`rows` as an aligned text table; columns: key -> (title, format spec), e.g. {"step_s": ("step s", ".1f")}."""
-    cells = [[title for title, _ in columns.values()]]
-    cells += [["–" if r.get(k) is None else format(r[k], f) for k, (_, f) in columns.items()] for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    for c in cells:
-        print(" ".join(v.rjust(w) for v, w in zip(c, widths)))
+def welch_p(a: list[float], b: list[float]) -> float:
+    """Two-sided Welch t-test p-value; 1.0 when both samples are constant and equal."""
+    from scipy import stats
+
+    if np.std(a) == 0 and np.std(b) == 0:
+        return 1.0 if np.mean(a) == np.mean(b) else 0.0
+    return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+def parity(base: list[dict], other: list[dict], names: tuple[str, str] = ("plain", "adaptive")) -> dict:
+    """Do two runs' reward curves match (step records, same prompts per step)? `PARITY_TEST`, match =
+    p >= ALPHA; per-step Welch t-tests on the per-sample rewards for information (Bonferroni)."""
+    diffs = np.concatenate([group_means(o["rewards"], o["group_index"]) - group_means(b["rewards"], b["group_index"])
+                            for b, o in zip(base, other)])
+    p_value = sign_flip_p(diffs)
+    welch = [welch_p(b["rewards"], o["rewards"]) for b, o in zip(base, other)]
+    return {"parity_test": PARITY_TEST.format(a=names[0], b=names[1]), "parity_p_value": p_value,
+            "parity_n_pairs": int(len(diffs)), "parity_mean_diff": float(diffs.mean()),
+            "reward_curves_match": bool(p_value >= ALPHA), "welch_p_per_step": welch,
+            "welch_all_steps_match": bool(all(w >= ALPHA / len(welch) for w in welch))}
+
+
+def print_keys(res: dict, keys) -> None:
+    """One aligned `key: value` line per key the result holds."""
+    for k in (k for k in keys if k in res):
+        v = res[k]
+        print(f"{k:>30}: {v:.3f}" if isinstance(v, float) else f"{k:>30}: {v}")
 
 
 # ---------------------------------------------------------------- provenance and results

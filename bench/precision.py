@@ -16,14 +16,10 @@ permutation test of bench/rl_step.py. Accuracy: held-out greedy accuracy after t
 """
 from __future__ import annotations
 
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from harness import mean_excluding_first  # noqa: E402
-from rl_step import parity, step_record  # noqa: E402
+import harness
+from harness import mean_excluding_first, parity
 
 ARMS = {
     "fp32": ["trainer.precision=fp32", "drafter.precision=fp32", "rollout.dtype=float32"],
@@ -54,16 +50,15 @@ def rollout_tok_s(pipes: dict, reps: int = 2) -> dict:
             r = p.cfg.rollout
             prompts = p.prompt_ids(p.dataset.heldout["prompt"][: r.prompts_per_step])
             for spec in (False, True):
-                t0 = time.perf_counter()
-                batch = p.engine.generate(prompts, group_size=r.group_size, spec=spec, seed=rep)
-                tokens = sum(len(x) for x in batch.response_ids)
-                out.setdefault(f"{arm}_{'sd' if spec else 'plain'}", []).append(tokens / (time.perf_counter() - t0))
+                batch, dt = harness.timed(
+                    lambda: p.engine.generate(prompts, group_size=r.group_size, spec=spec, seed=rep))
+                out.setdefault(f"{arm}_{'sd' if spec else 'plain'}", []).append(sum(map(len, batch.response_ids)) / dt)
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
 def run(config: str, overrides: list[str], steps: int, out_dir: Path) -> dict:
     cfgs = {a: arm_config(config, overrides, a, steps, out_dir) for a in ARMS}
-    warm, records = {}, {a: [] for a in ARMS}
+    warm = {}
     with harness.pipelines(cfgs) as pipes:
         for arm, p in pipes.items():
             corpus = p.build_corpus()
@@ -73,12 +68,7 @@ def run(config: str, overrides: list[str], steps: int, out_dir: Path) -> dict:
             print(f"{arm}: corpus {corpus.build_s:.1f} s, warm-start {ws.time_s:.1f} s ({ws.train_steps} steps), "
                   f"accept {ws.accept_len_after:.2f}", flush=True)
         tok_s = rollout_tok_s(pipes)
-
-        def on_step(arm, step, summary):
-            records[arm].append(step_record(summary))
-            print(f"step {step} {arm}: {summary.step_s:6.1f} s, reward {summary.reward_mean:.3f}", flush=True)
-
-        harness.interleave(pipes, steps, on_step)
+        records = harness.run_steps(pipes, steps)
         accuracy = {arm: p.evaluate(steps).accuracy for arm, p in pipes.items()}
     return {"warm": warm, "records": records, "tok_s": tok_s, "accuracy": accuracy}
 
@@ -106,23 +96,19 @@ def summarize(raw: dict, steps: int) -> dict:
         "accept_len_sampled_fp32": warm["fp32"]["accept_len_sampled"],
         "accept_len_sampled_bf16": warm["bf16"]["accept_len_sampled"],
         "accuracy_fp32": raw["accuracy"]["fp32"], "accuracy_bf16": raw["accuracy"]["bf16"],
-        **parity(rec["fp32"], rec["bf16"]),
-        "parity_test": "paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over (step, "
-                       "prompt) pairs of the difference of group-mean rewards, bf16 - fp32 (same prompts per step), "
-                       "alpha 0.01",
+        **parity(rec["fp32"], rec["bf16"], ("fp32", "bf16")),
         "reward_curves": {a: [s["reward_mean"] for s in rec[a]] for a in ARMS},
         "step_s_curves": {a: [s["step_s"] for s in rec[a]] for a in ARMS},
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = harness.parser(__doc__, steps=3).parse_args(argv)
+    args = harness.parse(harness.parser(__doc__, steps=3), argv)
     with harness.workdir(None, "tlt-bench-precision-") as out_dir:
         res = summarize(run(args.config, args.overrides, args.steps, out_dir), args.steps)
-    for k in ("step_speedup", "update_speedup", "rollout_speedup_bf16", "rollout_tok_s_speedup_plain",
-              "rollout_tok_s_speedup_sd", "warmstart_speedup", "accept_len_fp32", "accept_len_bf16",
-              "accuracy_fp32", "accuracy_bf16", "reward_curves_match", "parity_p_value"):
-        print(f"{k:>28}: {res[k]:.3f}" if isinstance(res[k], float) else f"{k:>28}: {res[k]}")
+    harness.print_keys(res, ("step_speedup", "update_speedup", "rollout_speedup_bf16", "rollout_tok_s_speedup_plain",
+                             "rollout_tok_s_speedup_sd", "warmstart_speedup", "accept_len_fp32", "accept_len_bf16",
+                             "accuracy_fp32", "accuracy_bf16", "reward_curves_match", "parity_p_value"))
     return harness.write_result(res, "precision", args, argv)
 
 

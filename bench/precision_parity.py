@@ -15,37 +15,26 @@ differences of the two arms after the last step.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
-from harness import sign_flip_p  # noqa: E402
-from precision import ARMS, arm_config  # noqa: E402
-from rl_step import parity, step_record  # noqa: E402
-
-
-def correct(pipe) -> list[float]:
-    return [float(r["reward"] >= 1.0) for r in pipe.last_eval_records]
+import harness
+from harness import parity, sign_flip_p
+from precision import ARMS, arm_config
 
 
 def one_seed(config: str, overrides: list[str], seed: int, steps: int, out_dir: Path) -> dict:
     extra = [*overrides, f"rl.seed={seed}", "rollout.drafter=ngram"]
-    out = {a: {"records": []} for a in ARMS}
-
-    def on_step(arm, step, s):
-        out[arm]["records"].append(step_record(s))
-        print(f"seed {seed} step {step} {arm}: {s.step_s:6.1f} s, reward {s.reward_mean:.3f}", flush=True)
-
+    out = {a: {} for a in ARMS}
     with harness.pipelines({a: arm_config(config, extra, a, steps, out_dir / f"seed{seed}") for a in ARMS}) as pipes:
         for arm, p in pipes.items():
             out[arm]["accuracy_before"] = p.evaluate(0).accuracy
-        harness.interleave(pipes, steps, on_step)
+        for arm, records in harness.run_steps(pipes, steps).items():
+            out[arm]["records"] = records
         for arm, p in pipes.items():
-            out[arm]["accuracy_after"] = p.evaluate(steps).accuracy
-            out[arm]["correct_after"] = correct(p)
+            ev, records = harness.evaluate(p, steps)
+            out[arm].update(accuracy_after=ev.accuracy, correct_after=[float(r["reward"] >= 1.0) for r in records])
     return out
 
 
@@ -55,7 +44,7 @@ def summarize(runs: dict[int, dict]) -> dict:
                                for s in runs.values()])
     mean = lambda a, k: float(np.mean([s[a][k] for s in runs.values()]))  # noqa: E731
     return {
-        "seeds": sorted(runs), **parity(rec["fp32"], rec["bf16"]),
+        "seeds": sorted(runs), **parity(rec["fp32"], rec["bf16"], ("fp32", "bf16")),
         "reward_mean_fp32": float(np.mean([r["reward_mean"] for r in rec["fp32"]])),
         "reward_mean_bf16": float(np.mean([r["reward_mean"] for r in rec["bf16"]])),
         "accuracy_before_fp32": mean("fp32", "accuracy_before"), "accuracy_before_bf16": mean("bf16", "accuracy_before"),
@@ -73,14 +62,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap = harness.parser(__doc__, steps=8)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--heldout", type=int, default=96, help="held-out prompts (data.heldout_size)")
-    args = ap.parse_args(argv)
+    args = harness.parse(ap, argv)
     overrides = [*args.overrides, f"data.heldout_size={args.heldout}"]
     with harness.workdir(None, "tlt-bench-parity-") as out_dir:
         runs = {s: one_seed(args.config, overrides, s, args.steps, out_dir) for s in range(args.seeds)}
     res = {"steps": args.steps, **summarize(runs)}
-    for k in ("reward_mean_fp32", "reward_mean_bf16", "parity_p_value", "accuracy_before_fp32", "accuracy_before_bf16",
-              "accuracy_after_fp32", "accuracy_after_bf16", "accuracy_after_p_value"):
-        print(f"{k:>24}: {res[k]:.3f}")
+    harness.print_keys(res, ("reward_mean_fp32", "reward_mean_bf16", "parity_p_value", "accuracy_before_fp32",
+                             "accuracy_before_bf16", "accuracy_after_fp32", "accuracy_after_bf16",
+                             "accuracy_after_p_value"))
     return harness.write_result(res, "precision_parity", args, argv)
 
 

@@ -16,12 +16,7 @@ TRL's step over the best tlt step of any arm.
 """
 from __future__ import annotations
 
-import gc
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import harness  # noqa: E402
+import harness
 
 ARMS = {"plain": "vllm_plain", "adaptive": "vllm_spec", "frozen": "vllm_frozen"}  # rl_step's mode -> arm
 
@@ -37,30 +32,14 @@ def available() -> bool:
     return True
 
 
-def run_vllm(config: str | None, overrides: list[str], steps: int, out_dir: Path) -> dict:
-    """The three vLLM runs, interleaved step by step; per-arm step records and end results."""
-    rl = harness.load("rl_step")
-    extra = list(overrides) + ["rollout.backend=vllm", "rollout.workers=1"]
-    runs: dict = {ARMS[m]: {"steps": [], "rebuilds": 0.0, "guard_tripped": 0.0} for m in ARMS}
-
-    def on_step(m, step, summary):
-        run = runs[ARMS[m]]
-        run["steps"].append(rl.step_record(summary))
-        run["rebuilds"] = max(run["rebuilds"], summary.metrics.get("rollout/vllm_rebuilds", 0.0))
-        run["guard_tripped"] = max(run["guard_tripped"], summary.metrics.get("spec/guard_tripped", 0.0))
-        print(f"step {step} {ARMS[m]:>11}: {summary.step_s:7.1f} s, reward {summary.reward_mean:.3f}, "
-              f"accept {summary.accept_len or 0:.2f}", flush=True)
-
-    cfgs = {m: rl.mode_config(config, extra, m, steps, out_dir / "vllm") for m in ARMS}
-    with harness.pipelines(cfgs) as pipes:
-        runs["same_warmstart_drafter"] = rl.shared_warmstart(pipes)
-        harness.interleave(pipes, steps, on_step)
-        for m in ("adaptive", "frozen"):
-            same, ev = rl.greedy_identical(pipes[m], steps)
-            runs[ARMS[m]].update(eval=ev, greedy_identical=same)
-    del pipes
-    gc.collect()
-    return runs
+def run_vllm(args, out_dir) -> dict:
+    """bench/rl_step.py's three runs on `rollout.backend=vllm`, interleaved; per-arm records and end results."""
+    out = harness.load("rl_step").run_modes(args, out_dir, ("rollout.backend=vllm", "rollout.workers=1"), ARMS)
+    runs = out["runs"]
+    for run in runs.values():
+        run["rebuilds"] = max(s["rebuilds"] or 0.0 for s in run["steps"])
+        run["guard_tripped"] = max(s["guard_tripped"] or 0.0 for s in run["steps"])
+    return {**runs, "same_warmstart_drafter": out["same_warmstart_drafter"]}
 
 
 def merge(res: dict, runs: dict | None) -> dict:
@@ -89,16 +68,6 @@ def merge(res: dict, runs: dict | None) -> dict:
         res["speedup_vs_trl"] = res["trl"]["step_s"] / best  # the best tlt step of any arm
     res["speedup_vs_trl_what"] = "TRL's GRPOTrainer step over the best tlt step (torch-engine and vLLM arms)"
     return res
-
-
-def print_lines(res: dict) -> None:
-    if "step_s_vllm_plain" not in res:
-        return
-    print(f"vLLM: step plain {res['step_s_vllm_plain']:.1f} s, tail SD {res['step_s_vllm_spec']:.1f} s, frozen "
-          f"{res['step_s_vllm_frozen']:.1f} s; rollout x{res['rollout_speedup_vllm']:.2f} (tail SD over plain); "
-          f"best vLLM step vs torch plain x{res['speedup_vllm_vs_torch_plain']:.2f}, vs best torch "
-          f"x{res['speedup_vllm_vs_torch']:.2f}; rebuilds {res['vllm_rebuilds']:.0f}; greedy identical "
-          f"{res['vllm_greedy_eval_identical']}")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,6 @@ import pytest
 from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-
-
 bench = load_bench("longtail")
 
 
@@ -30,7 +26,7 @@ def test_reward_stats_counts_groups_with_variance():
 def test_bench_longtail_smoke(tmp_path):
     out_json = tmp_path / "lt.json"
     res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--prompts", "3", "--group", "2", "--json", str(out_json),
-                      "--set", "rollout.max_new_tokens=12"])
+                      "--set", "rollout.max_new_tokens=12", "--update-reps", "1"])
     saved = json.loads(out_json.read_text())
     for key in ("response_length/p50", "response_length/p90", "response_length/max", "response_length/mean",
                 "at_cap_share", "max_over_p50", "accuracy", "groups_with_variance", "groups", "lengths", "samples"):
@@ -41,3 +37,8 @@ def test_bench_longtail_smoke(tmp_path):
     for key in ("at_cap_share", "accuracy", "groups_with_variance"):
         assert 0.0 <= saved[key] <= 1.0, key
     assert res["max_new_tokens"] == 12 and res["config"] == "smoke"
+    # --update-reps: the same update in rollout and in length order, on these 6 rollouts
+    assert res["rows"] == 6 and res["response_lengths"] == sorted(saved["lengths"])
+    assert set(res["update_s"]) == set(res["padding_share"]) == {"rollout_order", "length_order"}
+    assert res["padding_share"]["length_order"] <= res["padding_share"]["rollout_order"] + 1e-9
+    assert res["speedup"] > 0

@@ -1,5 +1,5 @@
-"""bench/rl_step.py: its statistics and TRL plumbing as pure functions, and one 2-step run of the
-three tlt RL loops on conf/smoke.yaml with TRL skipped. No timing assertions (shared machines)."""
+"""bench/rl_step.py: the harness's parity statistics and rl_step's TRL plumbing as pure functions, and one
+2-step run of the three tlt RL loops on conf/smoke.yaml with TRL skipped. No timing assertions."""
 import json
 from pathlib import Path
 
@@ -7,11 +7,8 @@ import pytest
 from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-
-
 bench = load_bench("rl_step")
+harness = load_bench("harness")
 
 
 def _record(rewards, group_size=4):
@@ -20,7 +17,7 @@ def _record(rewards, group_size=4):
 
 def test_parity_identical_curves_match():
     steps = [_record([1, 0, 0, 1, 0, 0, 0, 1]), _record([0, 1, 1, 1, 0, 0, 0, 0])]
-    out = bench.parity(steps, steps)
+    out = harness.parity(steps, steps)
     assert out["reward_curves_match"] and out["parity_p_value"] == 1.0
     assert out["parity_n_pairs"] == 4 and out["parity_mean_diff"] == 0.0
 
@@ -28,13 +25,13 @@ def test_parity_identical_curves_match():
 def test_parity_detects_a_shifted_curve():
     plain = [_record([0.0] * 16) for _ in range(3)]
     spec = [_record([1.0] * 16) for _ in range(3)]
-    out = bench.parity(plain, spec)
-    assert not out["reward_curves_match"] and out["parity_p_value"] < bench.ALPHA
+    out = harness.parity(plain, spec)
+    assert not out["reward_curves_match"] and out["parity_p_value"] < harness.ALPHA
     assert not out["welch_all_steps_match"]
 
 
 def test_group_means_by_group_index():
-    assert bench.group_means([1, 0, 1, 1], [0, 0, 1, 1]).tolist() == [0.5, 1.0]
+    assert harness.group_means([1, 0, 1, 1], [0, 0, 1, 1]).tolist() == [0.5, 1.0]
 
 
 def test_trl_batching_consumes_one_tlt_step():
@@ -79,7 +76,7 @@ def test_benchmark_smoke_two_steps(tmp_path):
     assert 0.0 <= res["drafter_overhead_share"] <= 1.0
     assert res["same_warmstart_drafter"] and res["same_prompts"]
     assert res["greedy_eval_identical"]  # greedy SD is exactly lossless
-    assert res["reward_curves_match"] == (res["parity_p_value"] >= bench.ALPHA)  # the claim follows its test
+    assert res["reward_curves_match"] == (res["parity_p_value"] >= harness.ALPHA)  # the claim follows its test
     for mode in ("adaptive", "frozen"):  # tokens per verify pass wherever SD ran: 1 .. depth + 1
         assert all(1.0 <= a <= 5.0 for a in res["curves"][mode]["accept_len"] if a is not None), mode
         assert 1.0 <= res["eval"][mode]["accept_len"] <= 5.0, mode

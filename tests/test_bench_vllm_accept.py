@@ -1,5 +1,5 @@
-"""bench/vllm_accept.py without vLLM: its summary of vLLM's counters (hand-computed) and its prompts
-(the recipe's held-out split rendered as the pipeline renders it). The vLLM run is in tests/test_vllm.py."""
+"""bench/vllm_accept.py without vLLM: its summary of vLLM's counters (hand-computed) and the bench
+prompts (the recipe's held-out split rendered as the pipeline renders it). The vLLM run is in tests/test_vllm.py."""
 from pathlib import Path
 
 import pytest
@@ -32,10 +32,16 @@ def test_summary_flags_a_different_or_shorter_output():
     assert not out["greedy_identical"] and out["mismatches"] == 2
 
 
-def test_heldout_prompts_are_the_pipelines():
-    rollout = load_bench("rollout")
-    cfg = load_config(ROOT / "conf" / "smoke.yaml")
-    prompts = bench.heldout_prompts(cfg, None)
+def test_heldout_prompts_are_the_pipelines(tmp_path):
+    from tlt.pipeline import Pipeline
+
+    harness = load_bench("harness")
+    cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp_path}"])
+    tok = load_tokenizer(cfg.model)
+    prompts = harness.heldout_prompts(cfg, tok)
     assert len(prompts) == cfg.data.heldout_size
-    assert prompts == rollout.task_prompts(cfg, load_tokenizer(cfg.model), cfg.data.heldout_size)
-    assert bench.heldout_prompts(cfg, 2) == prompts[:2]
+    with Pipeline(cfg) as pipe:
+        pipe.validate_data()
+        assert prompts == pipe.prompt_ids(pipe.dataset.heldout["prompt"])
+    assert harness.heldout_prompts(cfg, tok, 2) == prompts[:2]
+    assert harness.heldout_prompts(cfg, tok, len(prompts) + 1) == prompts + prompts[:1]  # cycling

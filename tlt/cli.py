@@ -238,7 +238,7 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
 
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-BENCH_HELPERS = {"harness", "render", "adaptive_arms", "trl_grpo"}  # bench/ modules that are not suites
+BENCH_HELPERS = {"harness", "render", "trl_grpo"}  # bench/ modules that are not suites
 
 
 def bench_suites() -> dict[str, str]:
