@@ -103,8 +103,8 @@ def report(run_id: str) -> str:
 
 
 @task(name="export-drafter", cache_policy=NO_CACHE)
-def export_drafter(run_id: str) -> ExportSummary:
-    s = get_pipeline(run_id).export()
+def export_drafter(run_id: str, final: EvalSummary | None = None) -> ExportSummary:
+    s = get_pipeline(run_id).export(final)
     create_markdown_artifact(f"EAGLE-3 drafter exported to `{s.path}` (model version {s.version}, "
                              f"accept length {s.accept_len or 0:.2f}) in {s.time_s:.1f} s", key="export")
     return s

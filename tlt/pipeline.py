@@ -81,8 +81,6 @@ class Pipeline:
         self.eos_ids: list[int] = []
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
-        self.eval_accept_len: dict[int, float] = {}  # step -> held-out accept length (greedy)
-        self.eval_accept_sampled: dict[int, float] = {}  # step -> at the rollout temperature
         self.champion: dict | None = None  # retrain: the registry's champion drafter version
         self.last_checkpoint: Path | None = None
 
@@ -190,15 +188,14 @@ class Pipeline:
             self.cfg.eval.max_new_tokens, self.cfg.eval.batch_size, step)
         metrics = {"eval/accuracy": summary.accuracy, "eval/response_length/mean": summary.mean_length,
                    "timing_s/eval": summary.time_s}
-        if self.drafter is not None and self.refresher is not None:
-            summary.accept_len = self.heldout_accept_len()
-            metrics["eval/accept_len"] = self.eval_accept_len[step] = summary.accept_len
-            metrics["eval/accept_len_sampled"] = self.eval_accept_sampled[step] = self.heldout_accept_len(
+        if self.drafter is not None:
+            summary.accept_len = metrics["eval/accept_len"] = self.heldout_accept_len()
+            summary.accept_len_sampled = metrics["eval/accept_len_sampled"] = self.heldout_accept_len(
                 self.cfg.rollout.temperature or 1.0)
         self.tracker.log_metrics(metrics, step=step)
         self.evals.append((step, summary.accuracy))
         self.tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
-        self.last_eval_records = records
+        summary.records = records
         return summary
 
     def load_weights(self, checkpoint: str | Path) -> int:
@@ -207,8 +204,6 @@ class Pipeline:
         self.model.load_state_dict(tensors["policy"], strict=True)
         if "drafter" in tensors and self.drafter is not None:
             self.drafter.load_state_dict(tensors["drafter"], strict=True)
-            head = self.model.get_output_embeddings().weight
-            self.refresher = DrafterRefresher(DrafterTrainer(self.drafter, self.cfg.drafter, head), self.cfg.drafter)
         return int(state["step"]) + 1
 
     def heldout_accept_len(self, temperature: float = 0.0) -> float:
@@ -323,7 +318,8 @@ class Pipeline:
 
     def rl_step(self, step: int) -> StepSummary:
         ctx = self.start_steps()
-        metrics = run_rl_step(ctx, step)
+        result = run_rl_step(ctx, step)
+        metrics = result.metrics
         if (step + 1) % self.cfg.trainer.checkpoint_every == 0 or step + 1 == self.cfg.rl.steps:
             t0 = time.perf_counter()
             self.last_checkpoint = save_run_state(ctx, step, self.run_dir / "checkpoints",
@@ -331,23 +327,25 @@ class Pipeline:
                                                   extra={"metrics": {k: float(v) for k, v in metrics.items()}})
             metrics["timing_s/checkpoint"] = time.perf_counter() - t0
         self.tracker.log_metrics(metrics, step=step + 1)
-        self.record.add_step(step + 1, metrics, ctx.last_batch)
+        self.record.add_step(step + 1, metrics, result.batch)
         every = self.cfg.tracking.samples_every
         if every and (step + 1) % every == 0:
-            self.tracker.log_table(ctx.samples, f"rollouts/step_{step + 1:04d}.json")
+            self.tracker.log_table(result.samples, f"rollouts/step_{step + 1:04d}.json")
         return StepSummary(step=step + 1, reward_mean=metrics["reward/mean"], accept_len=metrics.get("spec/accept_len/mean"),
                            step_s=metrics["timing_s/step"], metrics={k: float(v) for k, v in metrics.items()},
-                           samples=ctx.samples)
+                           samples=result.samples)
 
     # -- stage 6: export ---------------------------------------------------------------------------
-    def export(self) -> ExportSummary:
-        """EAGLE-3 directory (tlt.export) logged to MLflow as the run's model and registered as a version."""
+    def export(self, final: EvalSummary | None = None) -> ExportSummary:
+        """EAGLE-3 directory (tlt.export) logged to MLflow as the run's model and registered as a version.
+        `final`: the evaluation of the last step's weights, whose accept lengths the model version is
+        tagged with (measured here when it is missing or of another step)."""
         t0 = time.perf_counter()
-        # The final evaluation measured the same weights already; measure only if it did not run.
-        accept_len = self.eval_accept_len.get(self.cfg.rl.steps)
+        same = final is not None and final.step == self.cfg.rl.steps
+        accept_len = final.accept_len if same else None
         if accept_len is None:
             accept_len = self.heldout_accept_len()
-        sampled = self.eval_accept_sampled.get(self.cfg.rl.steps)
+        sampled = final.accept_len_sampled if same else None
         if sampled is None:
             sampled = self.heldout_accept_len(self.cfg.rollout.temperature or 1.0)
         e = self.cfg.export

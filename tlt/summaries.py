@@ -30,7 +30,13 @@ class EvalSummary(BaseModel):
     n: int
     mean_length: float
     time_s: float
+    # Held-out accept length of the drafter (fixed strategy, tuner off: tlt.heldout_accept), greedy
+    # and at the rollout temperature; None without a drafter.
     accept_len: float | None = None
+    accept_len_sampled: float | None = None
+    # One record per held-out prompt (id, prompt, answer, response, reward). Kept out of
+    # serialisation like `StepSummary.samples`: they are already a tracked table.
+    records: list[dict] = Field(default_factory=list, exclude=True)
 
 
 class WarmstartSummary(BaseModel):
