@@ -88,7 +88,7 @@ def test_drafter_does_not_reach_up_into_rollout():
 
 
 def test_no_attribute_probes_on_engine_or_refresher():
-    """The engine and the refresher are typed Protocols (tlt/rl/step.py): code calls what they
+    """The engine and the refresher are typed Protocols (tlt/rl/protocols.py): code calls what they
     declare instead of probing with hasattr/getattr."""
     probes = []
     for p in (ROOT / "tlt").rglob("*.py"):

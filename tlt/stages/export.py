@@ -9,6 +9,7 @@ from tlt import retrain as retraining
 from tlt.config import RunConfig
 from tlt.export import export_eagle3
 from tlt.summaries import ExportSummary
+from tlt.tracking import set_champion
 
 
 def export(cfg: RunConfig, model, drafter, run_dir: Path, tracker, accept_len: float, accept_len_sampled: float,
@@ -30,5 +31,11 @@ def export(cfg: RunConfig, model, drafter, run_dir: Path, tracker, accept_len: f
 
 
 def promote(cfg: RunConfig, tracker, exported: ExportSummary, champion: dict | None) -> bool:
-    """Move the `champion` alias to the new version unless its held-out accept length dropped."""
-    return retraining.promote(cfg, tracker, exported.version, exported.accept_len, champion)
+    """Move the `champion` alias to the exported version unless its held-out accept length is below
+    the champion's (`champion`: the version retraining started from; None: the first one); logged."""
+    old = retraining.champion_accept_len(champion)
+    ok = retraining.should_promote(exported.version, exported.accept_len, champion)
+    if ok:
+        set_champion(cfg.export.model_name, exported.version, cfg.tracking.tracking_uri)
+    tracker.log_metrics({"export/promoted": float(ok), "export/champion_accept_len": old}, cfg.rl.steps)
+    return ok
