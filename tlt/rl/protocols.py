@@ -7,11 +7,14 @@ checkpoint and the held-out accept-length measurement swap; state goes in and ou
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
+    from tlt.config import RolloutConfig
     from tlt.rl.update import OnForward, PolicyBatch
+    from tlt.rollout.ngram import PromptHistory
     from tlt.rollout.state import RolloutBatch
+    from tlt.rollout.tuner import StrategyTuner
 
 TailHook = Callable[[int], None]  # called with the number of running sequences when the rollout's tail starts
 
@@ -22,9 +25,9 @@ class Engine(Protocol):
     (this process), tlt.rollout.workers.WorkerPool (CPU worker processes), or
     tlt.rollout.vllm_backend.VllmRolloutEngine (a vLLM worker process)."""
 
-    cfg: Any  # RolloutConfig
-    tuner: Any  # tlt.rollout.tuner.StrategyTuner | None (None: no per-batch-size bandit in this process)
-    history: Any  # tlt.rollout.ngram.PromptHistory | None (None: no n-gram drafts from earlier answers)
+    cfg: RolloutConfig
+    tuner: StrategyTuner | None  # None: no per-batch-size bandit in this process
+    history: PromptHistory | None  # None: no n-gram drafts from earlier answers
 
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
