@@ -190,15 +190,18 @@ def same_warmstart(pipes: dict) -> bool:
 
 
 def heldout_accept_len(pipe) -> float:
-    """Greedy accept length of the run's drafter on the first `drafter.warmstart_eval_prompts` held-out
-    prompts (tuner off, the fixed `drafter.eval_strategy`)."""
-    return pipe.heldout_accept_len()
+    """Greedy held-out accept length of the run's drafter on the first `drafter.warmstart_eval_prompts`
+    held-out prompts (tuner off, the fixed `drafter.eval_strategy`; tlt.warmstart.heldout_accept)."""
+    from tlt.warmstart import heldout_accept
+
+    prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"][: pipe.cfg.drafter.warmstart_eval_prompts])
+    return heldout_accept(pipe.engine, prompts, pipe.cfg, 0.0).accept_len
 
 
 def evaluate(pipe, step: int, sd: str = "config") -> tuple:
     """(EvalSummary, per-prompt records) of the held-out greedy evaluation."""
     summary = pipe.evaluate(step, sd=sd)
-    return summary, pipe.last_eval_records
+    return summary, summary.records
 
 
 def greedy_identical(pipe, step: int) -> tuple[bool, dict]:

@@ -87,17 +87,17 @@ def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
     on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
     from tlt.corpus import vocab_coverage
-    from tlt.warmstart import accept_report
+    from tlt.warmstart import heldout_accept
 
     n, temp, eos = cfg.drafter.warmstart_eval_prompts, cfg.rollout.temperature or 1.0, eos_token_ids(tok, model)
     held = prompts_for(cfg, tok, prompts, n)
     eng = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter)
     point = RolloutEngine(model, r.model_copy(update={"sampled_drafts": False}), eos, tok.pad_token_id, drafter=drafter)
-    greedy = accept_report(eng, held, cfg, 0.0)
+    greedy = heldout_accept(eng, held, cfg, 0.0)
     reduced = drafter is not None and drafter.draft_vocab_size < drafter.vocab_size
     return {"accept_len_greedy": greedy.accept_len,
-            "accept_len_sampled": accept_report(eng, held, cfg, temp).accept_len,
-            "accept_len_sampled_point_mass": accept_report(point, held, cfg, temp).accept_len,
+            "accept_len_sampled": heldout_accept(eng, held, cfg, temp).accept_len,
+            "accept_len_sampled_point_mass": heldout_accept(point, held, cfg, temp).accept_len,
             "vocab_coverage": vocab_coverage(drafter.t2d if reduced else None, greedy.responses),
             "accept_strategy": cfg.drafter.eval_strategy.name, "accept_prompts": n}
 

@@ -40,7 +40,7 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
         stages.report(run_id)
         export = None
         if config.export.enabled and config.rollout.drafter == "eagle":
-            export = stages.export_drafter(run_id)
+            export = stages.export_drafter(run_id, final)
             if retrain:
                 stages.promote(run_id, export)
     except BaseException as exc:

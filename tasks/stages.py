@@ -1,6 +1,11 @@
 """Thin Prefect tasks: each looks up the run's pipeline, calls one stage, and leaves an artifact.
 
 Models stay in the flow process (in the pipeline); tasks pass run ids and small summaries.
+
+`_PIPELINES` (run id -> open Pipeline) is the project's one global. Prefect hands a task only
+what it can serialise and persist (run ids, summaries), never a model or a worker process, so the
+tasks of one flow run find their run's live pipeline here: `start_run` opens it, `finish_run` and
+`abort_run` close it and take it out. Nothing under tlt/ keeps module-level state.
 """
 from __future__ import annotations
 
@@ -16,9 +21,32 @@ from tlt.config import RunConfig
 from tlt.errors import UserError, exception_chain
 from tlt.inputs import check_run_inputs
 from tlt.export_run import export_checkpoint as export, resolve_checkpoint
-from tlt.pipeline import close_pipeline, get_pipeline, open_pipeline
+from tlt.pipeline import Pipeline
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
+
+_PIPELINES: dict[str, Pipeline] = {}
+
+
+def open_pipeline(cfg: RunConfig, tracker, retrain: bool = False) -> Pipeline:
+    pipe = Pipeline(cfg, tracker, retrain=retrain)
+    _PIPELINES[tracker.run_id] = pipe
+    return pipe
+
+
+def get_pipeline(run_id: str) -> Pipeline:
+    return _PIPELINES[run_id]
+
+
+def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
+    """Close the run's pipeline (its workers) and end its tracker with `status`; a no-op when gone."""
+    pipe = _PIPELINES.pop(run_id, None)
+    if pipe is None:
+        return
+    try:
+        pipe.close()
+    finally:  # the MLflow run gets its final status even if a worker fails to stop
+        pipe.tracker.end(status)
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
@@ -69,9 +97,7 @@ def warmstart_drafter(run_id: str) -> WarmstartSummary:
 
 @task(name="resume", cache_policy=NO_CACHE)
 def resume(run_id: str) -> int:
-    pipe = get_pipeline(run_id)
-    pipe.start_steps()  # rollout workers (rollout.workers > 1) start here, before the checkpoint is read
-    start = pipe.resume()
+    start = get_pipeline(run_id).resume()  # rollout workers (rollout.workers > 1) start here, then the checkpoint
     if start:
         get_run_logger().info(f"resumed from checkpoint step-{start - 1:06d}: next RL step {start}")
     return start
@@ -103,8 +129,8 @@ def report(run_id: str) -> str:
 
 
 @task(name="export-drafter", cache_policy=NO_CACHE)
-def export_drafter(run_id: str) -> ExportSummary:
-    s = get_pipeline(run_id).export()
+def export_drafter(run_id: str, final: EvalSummary | None = None) -> ExportSummary:
+    s = get_pipeline(run_id).export(final)
     create_markdown_artifact(f"EAGLE-3 drafter exported to `{s.path}` (model version {s.version}, "
                              f"accept length {s.accept_len or 0:.2f}) in {s.time_s:.1f} s", key="export")
     return s

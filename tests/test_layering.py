@@ -88,7 +88,7 @@ def test_drafter_does_not_reach_up_into_rollout():
 
 
 def test_no_attribute_probes_on_engine_or_refresher():
-    """The engine and the refresher are typed Protocols (tlt/rl/step.py): code calls what they
+    """The engine and the refresher are typed Protocols (tlt/rl/protocols.py): code calls what they
     declare instead of probing with hasattr/getattr."""
     probes = []
     for p in (ROOT / "tlt").rglob("*.py"):
@@ -97,3 +97,94 @@ def test_no_attribute_probes_on_engine_or_refresher():
                     and n.args and any(w in ast.unparse(n.args[0]) for w in ("engine", "refresher")):
                 probes.append(f"{p.relative_to(ROOT)}:{n.lineno} {ast.unparse(n)}")
     assert not probes, probes
+
+
+def _modules_imported(path: Path) -> set[str]:
+    """The tlt modules `path` imports, function-level imports included; `from tlt.pkg import mod`
+    counts the submodule `tlt.pkg.mod` (each one a module the file depends on)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.split(".")[0] == "tlt"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.split(".")[0] == "tlt":
+            pkg = ROOT / node.module.replace(".", "/")
+            subs = {f"{node.module}.{a.name}" for a in node.names
+                    if (pkg / f"{a.name}.py").exists() or (pkg / a.name / "__init__.py").exists()}
+            names |= subs or {node.module}
+    return names
+
+
+def test_the_run_module_only_wires():
+    """tlt/pipeline.py owns the run's parts and calls the stages; construction lives in tlt/build.py
+    and the stage bodies in tlt/stages/, so it depends on few modules."""
+    mods = _modules_imported(ROOT / "tlt" / "pipeline.py")
+    assert len(mods) <= 10, sorted(mods)
+
+
+def _calls_named(tree, method: str):
+    """(enclosing function names, call) for every `x.<method>(...)` call in `tree`."""
+    def walk(node, stack):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stack = stack + [node.name]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == method:
+            yield stack, node
+        for child in ast.iter_child_nodes(node):
+            yield from walk(child, stack)
+    return walk(tree, [])
+
+
+def test_run_parts_are_closed_only_by_their_owner():
+    """A refresher, pool or engine is closed by the Run's `close` (tlt/pipeline.py: Pipeline.close),
+    or by the `close` of the component that built it (e.g. RayRun.close closing its actor pool);
+    nobody else closes a run's part behind the run's back."""
+    bad = []
+    for p in _sources():
+        for stack, call in _calls_named(ast.parse(p.read_text()), "close"):
+            receiver = ast.unparse(call.func.value)
+            if not any(w in receiver for w in ("refresher", "pool", "engine")):
+                continue
+            if stack and stack[-1] == "close":  # a component's own close, releasing what it owns
+                continue
+            bad.append(f"{p.relative_to(ROOT)}:{call.lineno} {ast.unparse(call)} in {'.'.join(stack) or 'module'}")
+    assert not bad, bad
+
+
+# `x._name` outside `self`/`cls`: allowed only where the other side is a library's documented-enough
+# internals that have no public spelling.
+PRIVATE_ALLOWED = {
+    ("tlt/cluster/rollout_actor.py", "_version"): "torch's tensor version counter: no public accessor",
+    ("tlt/tracking/writer.py", "_to_mlflow_entity"): "mlflow.data datasets have no public entity conversion",
+}
+
+
+def test_no_reaching_into_private_attributes():
+    """Callers use a component's public methods and Protocols, never its `_private` attributes."""
+    bad = []
+    for p in _sources():
+        rel = str(p.relative_to(ROOT))
+        for n in ast.walk(ast.parse(p.read_text())):
+            if not (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.endswith("__")):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"):
+                continue
+            if (rel, n.attr) not in PRIVATE_ALLOWED:
+                bad.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    assert not bad, bad
+
+
+def test_results_are_returned_not_left_on_attributes():
+    """An RL step returns its samples and batch, an evaluation its records and accept lengths:
+    StepContext holds inputs only, and the run keeps no last-result attributes for callers to read."""
+    import dataclasses
+
+    from tlt.rl.step import StepContext, StepResult
+    from tlt.summaries import EvalSummary, StepSummary
+
+    assert {f.name for f in dataclasses.fields(StepResult)} >= {"metrics", "samples", "batch"}
+    assert not {f.name for f in dataclasses.fields(StepContext)} & {"samples", "last_batch", "metrics"}
+    assert StepContext.__dataclass_params__.frozen
+    assert {"records", "accept_len", "accept_len_sampled"} <= set(EvalSummary.model_fields)
+    assert "samples" in StepSummary.model_fields
+    src = (ROOT / "tlt" / "pipeline.py").read_text() + "".join(p.read_text() for p in (ROOT / "tlt/stages").glob("*.py"))
+    for side_channel in ("last_eval_records", "eval_accept_len", "eval_accept_sampled", "ctx.samples", "ctx.last_batch"):
+        assert side_channel not in src, side_channel

@@ -1,4 +1,4 @@
-"""The written contracts of tlt.rl.step: every engine and refresher has every protocol member.
+"""The written contracts of tlt.rl.protocols: every engine, refresher and updater has every protocol member.
 
 Instances that are cheap to build are checked with `isinstance` (runtime_checkable); the classes
 that start processes (worker pool, vLLM, spot trainer: see also test_spot) statically, from their
@@ -11,13 +11,14 @@ import textwrap
 import pytest
 import torch
 
-from tlt.config import DrafterConfig, RolloutConfig
+from tlt.config import DrafterConfig, RolloutConfig, RunConfig
 from tlt.drafter.model import build_drafter
 from tlt.drafter.refresh import DrafterRefresher
 from tlt.drafter.spot import SpotTrainer
 from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
-from tlt.rl.step import Engine, Refresher
+from tlt.rl.update import DeepSpeedUpdater, TorchUpdater
+from tlt.rl.protocols import Engine, Refresher, Updater
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.rollout.workers import WorkerPool
@@ -46,7 +47,8 @@ def _instance_attrs(cls) -> set[str]:
 
 
 @pytest.mark.parametrize("cls, proto", [(RolloutEngine, Engine), (WorkerPool, Engine), (VllmRolloutEngine, Engine),
-                                        (DrafterRefresher, Refresher), (SpotTrainer, Refresher)])
+                                        (DrafterRefresher, Refresher), (SpotTrainer, Refresher),
+                                        (TorchUpdater, Updater), (DeepSpeedUpdater, Updater)])
 def test_class_has_every_protocol_member(cls, proto):
     have = set(dir(cls)) | _instance_attrs(cls)
     assert _members(proto) <= have, _members(proto) - have
@@ -66,6 +68,7 @@ def test_cheap_instances_satisfy_the_protocols():
     engine = RolloutEngine(target, RolloutConfig(max_new_tokens=4), eos_ids=[2], pad_id=0, drafter=drafter)
     refresher = DrafterRefresher(DrafterTrainer(drafter, cfg, target.get_output_embeddings().weight), cfg)
     assert isinstance(engine, Engine) and isinstance(refresher, Refresher)
+    assert isinstance(TorchUpdater(target, RunConfig().rl, RunConfig().trainer), Updater)
     assert engine.sync(target) == {} and refresher.before_rollout(0) is None and refresher.after_rollout() == {}
 
 
@@ -79,3 +82,10 @@ def test_on_tail_is_a_generate_argument():
     engine.generate([[1, 5, 6], [1, 7]], group_size=2, temperature=1.0, on_tail=calls.append)
     assert len(calls) == 1 and 0 < calls[0] <= 4
     assert not hasattr(engine, "on_tail")
+
+
+def test_ray_updater_is_an_updater():
+    pytest.importorskip("ray")
+    from tlt.cluster.trainer_ranks import RayDeepSpeedUpdater
+
+    test_class_has_every_protocol_member(RayDeepSpeedUpdater, Updater)

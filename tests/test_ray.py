@@ -15,7 +15,7 @@ from tlt.config import ClusterConfig, DrafterConfig, RLConfig, RolloutConfig, Sp
 from tlt.drafter.model import build_drafter  # noqa: E402
 from tlt.models import tiny_model  # noqa: E402
 from tlt.rl.logprobs import forward_logprobs, make_batch  # noqa: E402
-from tlt.rl.step import Engine  # noqa: E402
+from tlt.rl.protocols import Engine  # noqa: E402
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch  # noqa: E402
 from tlt.rollout import RolloutEngine  # noqa: E402
 from tlt.versions import bump, version_of  # noqa: E402

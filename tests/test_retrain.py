@@ -13,6 +13,7 @@ from tlt.config import build_config
 from tlt.errors import UserError
 from tlt.models import tiny_model
 from tlt.pipeline import Pipeline
+from tlt.retrain import load_champion_policy
 from tlt.summaries import ExportSummary
 from tlt.tracking import MlflowTracker, champion, set_champion
 
@@ -45,6 +46,11 @@ def _pipeline(tmp_path, uri, *overrides):
     return pipe
 
 
+def _continue_from_champion(pipe) -> None:
+    """What `prepare` does when retraining (tlt.build.load_models), on the tiny base policy."""
+    pipe.champion = load_champion_policy(pipe.model, pipe.cfg, pipe.tracker)
+
+
 def _saved_policy(tmp_path) -> tuple[str, dict]:
     ckpt = tmp_path / "checkpoints" / "step-000003"
     ckpt.mkdir(parents=True)
@@ -63,14 +69,14 @@ def test_promotes_when_accept_length_holds_not_when_it_drops(registry, mlflow_ur
     set_champion(NAME, v1, mlflow_uri)
 
     pipe = _pipeline(tmp_path, mlflow_uri)
-    pipe._load_champion_policy()
+    _continue_from_champion(pipe)
     assert _same(pipe.model, weights)  # continued from the champion's policy, not the base
     v2 = registry(2.0, ckpt)
     assert pipe.promote(ExportSummary(path="x", version=v2, accept_len=2.0, time_s=0.0))  # equal holds
     assert str(champion(NAME, mlflow_uri)["version"]) == v2
 
     pipe = _pipeline(tmp_path, mlflow_uri)
-    pipe._load_champion_policy()
+    _continue_from_champion(pipe)
     v3 = registry(1.5, ckpt)
     assert not pipe.promote(ExportSummary(path="x", version=v3, accept_len=1.5, time_s=0.0))
     assert str(champion(NAME, mlflow_uri)["version"]) == v2  # the alias stayed
@@ -81,7 +87,7 @@ def test_missing_champion_policy_is_a_user_error_naming_the_path(registry, mlflo
     set_champion(NAME, registry(2.0, str(gone)), mlflow_uri)
     pipe = _pipeline(tmp_path, mlflow_uri)
     with pytest.raises(UserError, match="step-000009/policy.safetensors' does not exist.*on_missing_champion_policy"):
-        pipe._load_champion_policy()
+        _continue_from_champion(pipe)
 
 
 def test_missing_champion_policy_falls_back_to_base_when_configured(registry, mlflow_uri, tmp_path, caplog):
@@ -89,7 +95,7 @@ def test_missing_champion_policy_falls_back_to_base_when_configured(registry, ml
     pipe = _pipeline(tmp_path, mlflow_uri, "deploy.on_missing_champion_policy=base")
     base = {k: v.clone() for k, v in pipe.model.state_dict().items()}
     with caplog.at_level(logging.WARNING, logger="tlt.retrain"):
-        pipe._load_champion_policy()
+        _continue_from_champion(pipe)
     assert _same(pipe.model, base)
     assert "no policy_checkpoint tag" in caplog.text and "base policy" in caplog.text
     assert pipe.champion is not None  # the champion drafter is still continued from

@@ -43,7 +43,7 @@ def test_no_training_without_data_or_start(setup):
 
 
 def test_spot_trainer_is_a_refresher_whose_tail_hook_starts_it(setup):
-    from tlt.rl.step import Refresher
+    from tlt.rl.protocols import Refresher
 
     _, _, spot = setup
     assert isinstance(spot, Refresher)

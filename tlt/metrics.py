@@ -53,7 +53,9 @@ def spec_metrics(drafted: list[int], accepted: list[int], stats: RolloutStats) -
 def rollout_metrics(batch) -> dict[str, float]:
     """All rollout metrics of one `generate` call.
 
-    spec/accept_len/mean: tokens per target pass during SD; spec/accept_rate: accepted / drafted
+    spec/accept_len/mean: the live accept length, tokens per target pass of this rollout's own SD
+    rounds (whatever strategies the tuner picked; the reported held-out accept length, eval/accept_len,
+    is tlt.warmstart.heldout_accept's fixed-strategy figure); spec/accept_rate: accepted / drafted
     tokens (for trees, drafted counts every verified node); spec/accept_rate/pos_i: share of
     rounds drafting depth i+1 whose draft was accepted down to it; spec/enabled_share: share of
     tokens emitted by SD rounds; spec/ngram_share: share of the SD tokens from n-gram rounds,

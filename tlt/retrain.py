@@ -1,8 +1,9 @@
-"""Scheduled retraining's two decisions: which policy to continue from, and whether to promote.
+"""Scheduled retraining's two decisions: which policy to continue from, and whether to promote
+(`should_promote`; tlt.stages.export.promote moves the alias).
 
 The registry's `champion` alias points at a drafter version whose tags carry the policy
 checkpoint it was trained with (`policy_checkpoint`) and its held-out accept length
-(`accept_len`), both written by `Pipeline.export`.
+(`accept_len`), both written by the export stage (tlt.stages.export).
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from tlt.errors import UserError
+from tlt.tracking import champion, download
 from tlt.versions import bump
-from tlt.tracking import champion, download, set_champion
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +82,3 @@ def load_champion_drafter(drafter, found: dict, cfg, dst: Path) -> Path:
     bump(drafter)
     return local
 
-
-def promote(cfg, tracker, version: str | None, accept_len: float | None, found: dict | None) -> bool:
-    """Move the `champion` alias to `version` unless its held-out accept length dropped; logged."""
-    old = champion_accept_len(found)
-    ok = should_promote(version, accept_len, found)
-    if ok:
-        set_champion(cfg.export.model_name, version, cfg.tracking.tracking_uri)
-    tracker.log_metrics({"export/promoted": float(ok), "export/champion_accept_len": old}, cfg.rl.steps)
-    return ok

@@ -30,10 +30,17 @@ class EvalSummary(BaseModel):
     n: int
     mean_length: float
     time_s: float
+    # Held-out accept length of the drafter (fixed strategy, tuner off: tlt.warmstart.heldout_accept), greedy
+    # and at the rollout temperature; None without a drafter.
     accept_len: float | None = None
+    accept_len_sampled: float | None = None
+    # One record per held-out prompt (id, prompt, answer, response, reward). Kept out of
+    # serialisation like `StepSummary.samples`: they are already a tracked table.
+    records: list[dict] = Field(default_factory=list, exclude=True)
 
 
 class WarmstartSummary(BaseModel):
+    # Held-out accept lengths (tlt.warmstart.heldout_accept), greedy unless named sampled.
     accept_len_before: float
     accept_len_after: float
     accept_len_sampled: float | None = None  # at the rollout temperature
@@ -52,7 +59,7 @@ class WarmstartSummary(BaseModel):
 class StepSummary(BaseModel):
     step: int
     reward_mean: float
-    accept_len: float | None = None
+    accept_len: float | None = None  # live: the rollout's own spec/accept_len/mean (None: no SD round)
     step_s: float
     metrics: dict[str, float] = Field(default_factory=dict)
     # The step's rollout, one `RolloutSchema` row per response (validated). Kept out of
@@ -63,5 +70,5 @@ class StepSummary(BaseModel):
 class ExportSummary(BaseModel):
     path: str
     version: str | None = None
-    accept_len: float | None = None
+    accept_len: float | None = None  # held-out, greedy: the version's accept_len tag
     time_s: float

@@ -4,8 +4,8 @@ The corpus (tlt.corpus) holds the target's own greedy and rollout-temperature an
 to fresh task prompts; one batched target forward over prompt + response gives the hidden
 states and next-token distributions the drafter learns from (EAGLE-3 loss, training-time test,
 warmup + cosine LR). The draft vocabulary is the corpus' most frequent response tokens. The
-result is cached by a hash of (target weights, corpus, drafter config). Accept lengths are
-measured with the tuner off and the fixed `drafter.eval_strategy` (engine.measure_accept).
+result is cached by a hash of (target weights, corpus, drafter config). Accept lengths are the
+held-out accept length (`heldout_accept`: tuner off, the fixed `drafter.eval_strategy`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from tlt.corpus import Corpus, vocab_coverage
 from tlt.drafter.train import (DrafterTrainer, Sample, collect_samples, count_batches, pack, prompt_weight,
                                weight_prompt)
-from tlt.rollout.engine import measure_accept
+from tlt.rollout.engine import AcceptReport, measure_accept
 from tlt.versions import bump
 from tlt.summaries import WarmstartSummary
 
@@ -52,11 +52,16 @@ def fingerprint(model, prompts: list[list[int]], *texts: str) -> str:
     return h.hexdigest()[:16]
 
 
-def accept_report(engine, prompts, cfg, temperature: float):
-    """The honest accept length of the engine's drafter on `prompts` (tuner off, fixed strategy)."""
+def heldout_accept(engine, heldout_prompts: list[list[int]], cfg, temperature: float) -> AcceptReport:
+    """The run's reported accept length ("held-out accept length"): the engine decodes the first
+    `drafter.warmstart_eval_prompts` held-out prompts with the tuner off and the fixed
+    `drafter.eval_strategy` chain, `drafter.eval_max_new_tokens` each (engine.measure_accept), so
+    the figure depends on the drafter only. It is what warmstart/accept_len_*, eval/accept_len*
+    and a registered drafter's accept_len tag hold; the live rollout counter
+    spec/accept_len/mean (whatever strategy the tuner picked, at the rollout's batch sizes) is not it."""
     d = cfg.drafter
-    return measure_accept(engine, prompts, temperature=temperature, max_new_tokens=d.eval_max_new_tokens,
-                          strategy=d.eval_strategy)
+    return measure_accept(engine, heldout_prompts[: d.warmstart_eval_prompts], temperature=temperature,
+                          max_new_tokens=d.eval_max_new_tokens, strategy=d.eval_strategy)
 
 
 def corpus_samples(model, corpus: Corpus, aux_ids: list[int], cfg, batch: int = 128) -> list[Sample]:
@@ -106,7 +111,7 @@ def warmstart(model, drafter, engine, corpus: Corpus, heldout_prompts: list[list
     cache = Path(cache_root) / cache_key(model, corpus.key, cfg)
     if (cache / "summary.json").exists():
         return _restore(drafter, cache, cfg, head, t0)
-    before = accept_report(engine, evalp, cfg, 0.0).accept_len
+    before = heldout_accept(engine, evalp, cfg, 0.0).accept_len
     if drafter.draft_vocab_size < drafter.vocab_size:
         drafter.set_vocab(response_counts(corpus, drafter.vocab_size))
     samples = corpus_samples(model, corpus, drafter.aux_layer_ids, cfg)
@@ -124,8 +129,8 @@ def warmstart(model, drafter, engine, corpus: Corpus, heldout_prompts: list[list
             step += 1
     bar.close()
     trainer.constant_lr()
-    greedy = accept_report(engine, evalp, cfg, 0.0)
-    sampled = accept_report(engine, evalp, cfg, cfg.rollout.temperature or 1.0)
+    greedy = heldout_accept(engine, evalp, cfg, 0.0)
+    sampled = heldout_accept(engine, evalp, cfg, cfg.rollout.temperature or 1.0)
     summary = WarmstartSummary(
         accept_len_before=before, accept_len_after=greedy.accept_len, accept_len_sampled=sampled.accept_len,
         vocab_coverage=vocab_coverage(drafter.t2d if drafter.draft_vocab_size < drafter.vocab_size else None,

@@ -1,5 +1,8 @@
 """Teacher-forced accept length: what a drafter would accept on fixed greedy responses, without
-running speculative decoding (no bandit, no timing, one target forward per sequence).
+running speculative decoding (no bandit, no timing, one target forward per sequence). An offline
+estimate of the held-out accept length (tlt.warmstart.heldout_accept, which decodes through the
+engine) for benchmarks that compare many drafters; neither is the live rollout counter
+spec/accept_len/mean.
 
 Given a sequence x = prompt + greedy response and the target's hidden states from one forward
 over it, the drafter is unrolled `depth` steps with the training-time-test masks

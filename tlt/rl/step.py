@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -22,64 +22,17 @@ from tlt.metrics import rollout_metrics
 from tlt.precision import autocast
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
+from tlt.rl.protocols import Engine, Refresher, Updater
 from tlt.rl.rewards import checked_rewards
 from tlt.rl.update import PolicyBatch, detached, fuses_old_logprob
 from tlt.schemas import rollout_table
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from tlt.config import RunConfig
+    from tlt.rl.sampler import PromptSampler
     from tlt.rollout.state import RolloutBatch
-
-TailHook = Callable[[int], None]  # called with the number of running sequences when the rollout's tail starts
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """What an RL step and a checkpoint need of a rollout engine: tlt.rollout.engine.RolloutEngine
-    (this process), tlt.rollout.workers.WorkerPool (CPU worker processes), or
-    tlt.rollout.vllm_backend.VllmRolloutEngine (a vLLM worker process)."""
-
-    cfg: Any  # RolloutConfig
-    tuner: Any  # tlt.rollout.tuner.StrategyTuner | None (None: no per-batch-size bandit in this process)
-    history: Any  # tlt.rollout.ngram.PromptHistory | None (None: no n-gram drafts from earlier answers)
-
-    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, spec_threshold: int | None = None,
-                 on_tail: TailHook | None = None) -> RolloutBatch: ...
-
-    def sync(self, model=None) -> dict[str, float]:
-        """Make the engine decode with `model`'s current weights (a no-op in this process)."""
-
-    def sleep(self) -> dict[str, float]:
-        """Before the policy update: hand the engine's accelerator memory to it (vLLM sleep mode;
-        the `sync` after the update wakes the engine). {} where there is nothing to hand over."""
-
-
-@runtime_checkable
-class Refresher(Protocol):
-    """The adaptive drafter as the RL step drives it: tlt.drafter.refresh.DrafterRefresher
-    (sequential refresh after the update) or tlt.drafter.spot.SpotTrainer (in the rollout's tail)."""
-
-    @property
-    def aux_layer_ids(self) -> list[int]: ...
-
-    def add_rollouts(self, step: int, ids, attn, resp, aux, last_hidden) -> None: ...
-
-    def before_rollout(self, step: int) -> TailHook | None:
-        """Before step `step`'s rollout; returns the `on_tail` hook for `Engine.generate` (None: none)."""
-
-    def after_rollout(self) -> dict[str, float]: ...
-
-    def after_update(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """After the policy update, with the step's metrics so far (its schedule observes them)."""
-
-    def state_dict(self) -> dict:
-        """Everything a resumed run needs ("drafter": its trainable weights, and the rest)."""
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-    def close(self) -> None: ...
-
 
 class Timer:
     """Accumulates wall-clock seconds per named section: `with timer("rollout"): ...`."""
@@ -99,21 +52,29 @@ class Timer:
         return {f"timing_s/{k}": v for k, v in self.s.items()}
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepContext:
-    """Everything an RL step touches; owned by the pipeline, alive for the whole run."""
+    """What every RL step reads: built once per run (tlt.build), never written by a step."""
 
-    cfg: Any  # RunConfig
-    model: Any
-    tokenizer: Any
+    cfg: RunConfig
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     engine: Engine
-    updater: Any  # tlt.rl.update.TorchUpdater | DeepSpeedUpdater
-    sampler: Any  # tlt.rl.sampler.PromptSampler
+    updater: Updater
+    sampler: PromptSampler
     reward_fn: Callable
     encode: Callable[[list[str]], list[list[int]]]
     refresher: Refresher | None = None  # None = no drafter training
-    samples: list[dict] = field(default_factory=list)
-    last_batch: Any = None  # the last RolloutBatch, for run-level plots
+
+
+@dataclass
+class StepResult:
+    """What one RL step made: its metrics (names as in docs/tracking.md: What a run produces), its
+    rollout as one `RolloutSchema` row per response, and the rollout batch (for run-level plots)."""
+
+    metrics: dict[str, float]
+    samples: list[dict]
+    batch: RolloutBatch
 
 
 def reward_metrics(rewards: list[float], tasks: list[str], group_ids: list[int]) -> dict[str, float]:
@@ -220,8 +181,8 @@ def _update(ctx: StepContext, step: int, tensors, adv: Tensor, keep: Tensor, tim
     return metrics
 
 
-def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
-    """Run RL step `step`; returns its metrics (names as in docs/tracking.md: What a run produces)."""
+def rl_step(ctx: StepContext, step: int) -> StepResult:
+    """Run RL step `step`; returns its metrics, rollout samples and batch."""
     cfg, timer = ctx.cfg, Timer()
     t0 = time.perf_counter()
     rows, batch = _rollout(ctx, step, timer)
@@ -247,7 +208,6 @@ def rl_step(ctx: StepContext, step: int) -> dict[str, float]:
     metrics.update(timer.metrics())
     metrics["timing_s/step"] = time.perf_counter() - t0
     metrics["perf/tokens_per_s"] = sum(map(len, batch.response_ids)) / max(metrics["timing_s/step"], 1e-9)
-    ctx.last_batch = batch
-    ctx.samples = rollout_table(step, rows, batch.group_index, texts, rewards,
-                                list(map(len, batch.response_ids))).to_dict("records")
-    return metrics
+    samples = rollout_table(step, rows, batch.group_index, texts, rewards,
+                            list(map(len, batch.response_ids))).to_dict("records")
+    return StepResult(metrics=metrics, samples=samples, batch=batch)

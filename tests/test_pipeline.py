@@ -1,0 +1,41 @@
+"""The run's stages return what they made: an RL step its rollout samples and batch-level metrics,
+an evaluation its records and (with a drafter) both held-out accept lengths, which `export`
+tags the model version with. Smoke recipe in this process, no tracker."""
+from pathlib import Path
+
+import pytest
+
+from tlt.config import load_config
+from tlt.pipeline import Pipeline
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipe")
+    cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp / 'runs'}", "rl.steps=1",
+                                                      f"export.out_dir={tmp / 'export'}", "drafter.where=sequential"])
+    with Pipeline(cfg) as p:
+        p.validate_data()
+        p.prepare()
+        yield p
+
+
+def test_evaluate_returns_records_and_accept_lengths(pipe):
+    s = pipe.evaluate(0)
+    assert len(s.records) == s.n == len(pipe.dataset.heldout)
+    assert {"prompt", "answer", "response", "reward"} <= set(s.records[0])
+    assert s.accept_len is not None and s.accept_len >= 1.0 and s.accept_len_sampled >= 1.0
+    assert "records" not in s.model_dump()  # a tracked table, not part of the Prefect result
+    assert not hasattr(pipe, "last_eval_records")
+
+
+def test_resume_then_rl_step_returns_samples_and_export_takes_the_final_eval(pipe):
+    assert pipe.resume() == 0  # builds the steps' parts itself: nothing to call first
+    s = pipe.rl_step(0)
+    r = pipe.cfg.rollout
+    assert len(s.samples) == r.prompts_per_step * r.group_size and {"reward", "response"} <= set(s.samples[0])
+    assert pipe.ctx is not None and not hasattr(pipe.ctx, "samples")
+    final = pipe.evaluate(1).model_copy(update={"accept_len": 9.0, "accept_len_sampled": 8.0})
+    assert pipe.export(final).accept_len == 9.0  # the final evaluation's figure, not measured again
