@@ -165,8 +165,53 @@ def rl_step_block(results: dict, prefix: str) -> str:
         "\n\nMeans over steps 1..N-1; machines and commands in the index above."
 
 
+def rollout_block(results: dict, prefix: str) -> str:
+    """bench/rollout.py: the engine's cost curve, plain against SD per batch size, greedy."""
+    runs = {n: r for n, r in results.items() if suite(r) == "rollout"}
+    if not runs:
+        return f"Rollout cost curve: {NOT_MEASURED}."
+    out = []
+    for n, r in runs.items():
+        drafter = "n-gram" if r["drafter"] == "ngram" else "EAGLE-3 export"
+        out += [f"[`{recipe(r)}`]({prefix}/{n}.json): {drafter} drafter, {r['prompts']} prompts, "
+                f"{r['max_new_tokens']} new tokens, rollout dtype {r.get('rollout_dtype', 'float32')}, "
+                f"{r['threads']} threads:", "",
+                "| batch | plain tok/s | SD tok/s | SD / plain | accept length (live) | HF generate tok/s |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {w['batch']} | {w['plain_tok_s']:.1f} | {w['spec_tok_s']:.1f} | **{x(w['speedup_vs_plain'])}** | "
+                f"{w['accept_len_mean']:.2f} | {w['hf_tok_s']:.1f} |" for w in r["rows"]]
+        out += ["", f"Greedy outputs identical with SD on and off: {r['greedy_identical']}. Held-out accept length "
+                f"(`{r['accept_strategy']}`, tuner off): greedy {r['accept_len_greedy']:.2f}, sampled "
+                f"{r['accept_len_sampled']:.2f}."]
+        if "grpo" in r:
+            g = r["grpo"]
+            out.append(f"GRPO batch at the rollout temperature (tail switch as configured): plain {g['plain_s']:.2f} s, "
+                       f"SD {g['spec_s']:.2f} s ({x(g['speedup'])}), tail share {g['tail_share']:.2f}.")
+    return "\n".join(out)
+
+
+def schedules_block(results: dict, prefix: str) -> str:
+    """bench/adaptive.py --schedules: drafter refresh schedules, accept length against drafter time."""
+    runs = {n: r for n, r in results.items() if suite(r) == "adaptive" and "arms" in r}
+    if not runs:
+        return f"Refresh schedules: {NOT_MEASURED}."
+    out = []
+    for n, r in runs.items():
+        out += [f"[`{recipe(r)}`]({prefix}/{n}.json), {r['steps']} RL steps per arm, interleaved:", "",
+                "| schedule | RL step s | rollout s | drafter steps | drafter s | held-out accept length, "
+                "after warm-start → after the last step |", "|---|---|---|---|---|---|"]
+        for a, m in r["arms"].items():
+            acc = r[f"accept_len_{a}"]
+            out.append(f"| `{a}` | {m['step_s']:.1f} | {m['rollout_s']:.1f} | {r[f'drafter_steps_{a}']:.0f} | "
+                       f"{r[f'drafter_s_{a}']:.1f} | {acc[0]:.2f} → {acc[-1]:.2f} |")
+        if "payoff_accept_ratio" in r:
+            out += ["", f"payoff against every_k: accept length {x(r['payoff_accept_ratio'])} (mean after the steps) "
+                    f"at {r['payoff_drafter_time_ratio']:.0%} of the drafter time."]
+    return "\n".join(out)
+
+
 BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
-          "status": status_block}
+          "rollout": rollout_block, "schedules": schedules_block, "status": status_block}
 
 
 # ---------------------------------------------------------------- pages

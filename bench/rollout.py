@@ -129,7 +129,7 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
               f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f}",
               flush=True)
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
-              "threads": torch.get_num_threads(), "greedy_identical": identical, "rows": rows,
+              "threads": torch.get_num_threads(), "rollout_dtype": r.dtype, "greedy_identical": identical, "rows": rows,
               "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}
     if grpo:
         group = prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
@@ -138,8 +138,10 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from tlt.device import resolve_device
     from tlt.errors import UserError
     from tlt.inputs import check_run_inputs
+    from tlt.precision import resolve_run
 
     ap = harness.parser(__doc__, threads=True)
     ap.add_argument("--drafter", default=None, help="EAGLE-3 export directory (default: n-gram drafter)")
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise UserError(f"--drafter '{args.drafter}' is not an EAGLE-3 export (no config.json there); pass the folder "
                         "`tlt export --out` or `tlt drafter warmstart --export` wrote")
     check_run_inputs(cfg)  # the config's paths, before any model loads (exit 2 from `tlt bench`)
+    cfg = resolve_run(cfg, resolve_device(cfg.trainer.device))[0]  # the engines decode in the dtype a run would
     res = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens, args.reps,
                     grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts, tuner=args.tuner)
     harness.print_keys(res, ("drafter", "greedy_identical", "accept_len_greedy", "accept_len_sampled",
