@@ -132,6 +132,17 @@ def status_block(results: dict, prefix: str) -> str:
         if r.get("step_s_trl"):
             rows.append(f"| best tlt RL step vs TRL's GRPOTrainer, same precision | **{x(r['speedup_vs_trl'])}** "
                         f"faster | {where} | {r['machine']} | {link} |")
+    for n, r in results.items():
+        link, where = f"[{n}.json]({prefix}/{n}.json)", f"`{recipe(r)}`"
+        if suite(r) == "rollout":
+            curve = " / ".join(x(w["speedup_vs_plain"]) for w in r["rows"])
+            batches = " / ".join(str(w["batch"]) for w in r["rows"])
+            rows.append(f"| SD vs plain decoding at batch {batches} ({r.get('rollout_dtype', 'float32')} rollout) | "
+                        f"{curve}, greedy identical: {r['greedy_identical']} | {where} | {r['machine']} | {link} |")
+        elif suite(r) == "adaptive" and "payoff_accept_ratio" in r:
+            rows.append(f"| `payoff` drafter schedule vs refreshing every step | accept length "
+                        f"{x(r['payoff_accept_ratio'])} at {r['payoff_drafter_time_ratio']:.0%} of the drafter time | "
+                        f"{where} | {r['machine']} | {link} |")
     rows.append(f"| GPU rollout and training speed | {NOT_MEASURED} | | GPU | [GPU guide](docs/gpu.md) |")
     return "\n".join(rows)
 
