@@ -63,7 +63,7 @@ def test_class_has_every_protocol_member(cls, proto):
 def test_cheap_instances_satisfy_the_protocols():
     torch.manual_seed(0)
     target = tiny_model("llama", layers=2, hidden=64, vocab=128)
-    cfg = DrafterConfig(draft_vocab_size=0)
+    cfg = DrafterConfig(draft_vocab_size=0, schedule="every_k")
     drafter = build_drafter(target, cfg)
     engine = RolloutEngine(target, RolloutConfig(max_new_tokens=4), eos_ids=[2], pad_id=0, drafter=drafter)
     refresher = DrafterRefresher(DrafterTrainer(drafter, cfg, target.get_output_embeddings().weight), cfg)

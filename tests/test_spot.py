@@ -28,7 +28,7 @@ def setup():
     torch.manual_seed(0)
     target = tiny_model("llama", layers=6, hidden=128, vocab=256)
     # the pre-EAGLE-3 recipe (1 step, feature loss): a few seconds of worker time fit it visibly
-    cfg = DrafterConfig(draft_vocab_size=0, batch_tokens=256, lr=1e-3, refresh_lr=1e-3, ttt_steps=1,
+    cfg = DrafterConfig(draft_vocab_size=0, schedule="every_k", batch_tokens=256, lr=1e-3, refresh_lr=1e-3, ttt_steps=1,
                         loss_feature_weight=1.0, loss_token_weight=0.1)
     drafter = build_drafter(target, cfg)
     spot = SpotTrainer(target, drafter, cfg, threads=1)

@@ -25,7 +25,7 @@ EVERY = 4
 def spot(tmp_path_factory):
     torch.manual_seed(0)
     target = tiny_model("llama", layers=6, hidden=128, vocab=256)
-    cfg = DrafterConfig(draft_vocab_size=0, batch_tokens=128, lr=1e-3, spot_checkpoint_every=EVERY)
+    cfg = DrafterConfig(draft_vocab_size=0, schedule="every_k", batch_tokens=128, lr=1e-3, spot_checkpoint_every=EVERY)
     drafter = build_drafter(target, cfg)
     ckpt = tmp_path_factory.mktemp("spot") / "drafter_checkpoints"
     spot = SpotTrainer(target, drafter, cfg, threads=1, checkpoint_dir=ckpt)

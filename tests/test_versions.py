@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = [[1, 5, 6], [1, 7], [1, 8, 9, 10], [1, 11]]
 RESPONSES = [[20, 21, 22], [23, 24, 25, 26, 27], [28], [29, 30]]
-DCFG = DrafterConfig(draft_vocab_size=0, batch_tokens=256, refresh_steps=2)
+DCFG = DrafterConfig(draft_vocab_size=0, schedule="every_k", batch_tokens=256, refresh_steps=2)
 
 
 @pytest.fixture(autouse=True)

@@ -123,7 +123,7 @@ class DrafterConfig(Stage):
                                           description="The fixed strategy of accept-length reports (tuner off; "
                                           "default: a depth-4 chain)")
     schedule: Literal["frozen", "every_k", "below_accept", "payoff"] = Field(
-        "every_k", description="When the online drafter trains: frozen = never after the warm-start; every_k = in "
+        "payoff", description="When the online drafter trains: frozen = never after the warm-start; every_k = in "
         "RL steps k-1, 2k-1, ... (k = refresh_every); below_accept = in the step after a rollout whose accept "
         "length fell under refresh_below_accept_len; payoff = when the rollout time a refresh is estimated to "
         "save over the next payoff_horizon steps exceeds its measured cost")
