@@ -1,11 +1,7 @@
-"""The harness every bench/ suite shares: the command line, benchmark runs (`Pipeline`s with their
-checkpoints in a scratch folder) and their arms interleaved step by step (the order rotating, so a
-shared machine's noise hits every arm alike), the A/B timer, the statistics, and the results writer
-(every JSON starts with its provenance: command line, commit, machine, date, config hash).
+"""What every bench/ suite shares (docs/performance.md: Benchmark suites): the command line, runs and
+their arms interleaved step by step, the A/B timer, the statistics and the results writer.
 bench/ is a folder of scripts, not a package: `load(name)` imports a sibling script as a module.
 """
-from __future__ import annotations
-
 import argparse
 import hashlib
 import importlib.util
@@ -21,10 +17,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
+from scipy import stats
+
+from tlt.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ("command", "commit", "machine", "date", "config_hash")
-NO_CHECKPOINTS = 10 ** 6  # trainer.checkpoint_every of benchmark runs: never inside the timed steps
 ALPHA = 0.01
 PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over (step, prompt) "
                "pairs of the difference of group-mean rewards, {b} - {a} (same prompts per step), alpha 0.01")
@@ -51,21 +50,26 @@ def load(name: str):
 
 
 # ---------------------------------------------------------------- command line
-def parser(doc: str, steps: int | None = None, out_dir: bool = False, config: str | None = None,
+def parser(doc: str, *flags: tuple, steps: int | None = None, out_dir: bool = False, config: str | None = None,
            threads: bool = False) -> argparse.ArgumentParser:
     """CONFIG (optional when `config` names a default), --json, --set (repeatable); --steps (RL steps
-    per arm), --out-dir (run folders kept; default a temporary folder) and --threads on request."""
+    per arm), --out-dir (run folders kept; default a temporary folder) and --threads on request; then
+    each of `flags`: (flag, default, help[, type or tuple of choices]), a False default a switch."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("config", **({"nargs": "?", "default": config} if config else {}))
     ap.add_argument("--json", dest="json_out", help="write the result (with its provenance header) here")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
-    if steps is not None:
-        ap.add_argument("--steps", type=int, default=steps, help=f"RL steps per arm (default {steps})")
-    if out_dir:
-        ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
-    if threads:
-        ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    common = [("--steps", steps, f"RL steps per arm (default {steps})")] if steps is not None else []
+    common += [("--out-dir", None, "run folders (default: a temporary folder, removed)")] if out_dir else []
+    common += [("--threads", None, "torch intra-op threads (default: torch's)", int)] if threads else []
+    for flag, default, text, *kind in [*common, *flags]:
+        if default is False:
+            ap.add_argument(flag, action="store_true", help=text)
+            continue
+        choices = kind[0] if kind and isinstance(kind[0], tuple) else None
+        typ = kind[0] if kind and choices is None else type(default) if default is not None else str
+        ap.add_argument(flag, type=typ, default=default, choices=choices, help=text)
     return ap
 
 
@@ -73,39 +77,30 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Names
     """The arguments; --threads applied."""
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
-        import torch
-
         torch.set_num_threads(args.threads)
     return args
 
 
 def config(args, *extra: str, base: tuple = ()):
     """The RunConfig of args.config with the overrides `base`, args.overrides, `extra` (the last wins)."""
-    from tlt.config import load_config
-
     return load_config(args.config, [*base, *args.overrides, *extra])
 
 
-def encode(cfg, tokenizer, texts) -> list[list[int]]:
-    """Prompt texts rendered as the pipeline renders them (chat template + data.instruction)."""
-    from tlt.data import prompt_ids
-
-    return [prompt_ids(tokenizer, t, cfg.data.instruction, cfg.data.system_prompt) for t in texts]
-
-
 def heldout_prompts(cfg, tokenizer, n: int | None = None) -> list[list[int]]:
-    """The config's held-out prompts rendered as the pipeline renders them: all, or n (cycling)."""
+    """The config's held-out prompts rendered as the pipeline renders them (tlt.build.encoder): all, or
+    n (cycling)."""
+    from tlt.build import encoder
     from tlt.data import load_dataset
 
     held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
-    return encode(cfg, tokenizer, [held[i % len(held)] for i in range(n or len(held))])
+    return encoder(tokenizer, cfg)([held[i % len(held)] for i in range(n or len(held))])
 
 
 # ---------------------------------------------------------------- runs
 def run_overrides(out_dir: Path, steps: int | None = None, name: str | None = None) -> list[str]:
     """What every benchmark run sets: checkpoints in `out_dir` and none inside the steps, no sample
     tables; rl.steps = steps + 1 so the pipeline's final checkpoint is never written."""
-    sets = [f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={NO_CHECKPOINTS}",
+    sets = [f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}",
             "tracking.samples_every=0"]
     sets += [f"rl.steps={steps + 1}"] if steps is not None else []
     return sets + ([f"name={name}"] if name else [])
@@ -180,36 +175,19 @@ def same_warmstart(pipes: dict) -> bool:
     for p in pipes.values():
         p.warmstart()
     ref = next(iter(pipes.values())).drafter.state_dict()
-    same = True
-    for p in pipes.values():
-        sd = p.drafter.state_dict()
-        if sd.keys() != ref.keys() or any(not sd[k].equal(ref[k]) for k in ref):
-            same = False
+    same = all(sd.keys() == ref.keys() and all(sd[k].equal(ref[k]) for k in ref)
+               for sd in (p.drafter.state_dict() for p in pipes.values()))
+    if not same:
+        for p in pipes.values():
             p.drafter.load_state_dict(ref, strict=True)
     return same
-
-
-def heldout_accept_len(pipe) -> float:
-    """Greedy held-out accept length of the run's drafter on the first `drafter.warmstart_eval_prompts`
-    held-out prompts (tuner off, the fixed `drafter.eval_strategy`; tlt.warmstart.heldout_accept)."""
-    from tlt.warmstart import heldout_accept
-
-    prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"][: pipe.cfg.drafter.warmstart_eval_prompts])
-    return heldout_accept(pipe.engine, prompts, pipe.cfg, 0.0).accept_len
-
-
-def evaluate(pipe, step: int, sd: str = "config") -> tuple:
-    """(EvalSummary, per-prompt records) of the held-out greedy evaluation."""
-    summary = pipe.evaluate(step, sd=sd)
-    return summary, summary.records
 
 
 def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
     """Held-out greedy evaluation with SD on at every decode step, then off, on the same weights:
     whether the responses are token-identical (greedy SD is lossless), and both evaluations."""
-    on, records_on = evaluate(pipe, step, "always")
-    off, records_off = evaluate(pipe, step, "off")
-    same = [a["response"] for a in records_on] == [b["response"] for b in records_off]
+    on, off = pipe.evaluate(step, sd="always"), pipe.evaluate(step, sd="off")
+    same = [a["response"] for a in on.records] == [b["response"] for b in off.records]
     return same, {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy, "accept_len": on.accept_len,
                   "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
 
@@ -222,12 +200,9 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def best_of(arms: dict, reps: int, warmup: int = 0) -> dict:
-    """The A/B timer: every arm (name -> zero-argument callable) run `warmup` times untimed, then once
-    per rep, interleaved in the given order; name -> (best seconds, output of the best run)."""
-    for _ in range(warmup):
-        for fn in arms.values():
-            fn()
+def best_of(arms: dict, reps: int) -> dict:
+    """The A/B timer: every arm (name -> zero-argument callable) run once per rep, interleaved in the
+    given order; name -> (best seconds, output of the best run)."""
     best: dict = {}
     for _ in range(reps):
         for name, fn in arms.items():
@@ -257,8 +232,6 @@ def group_means(rewards: list[float], group_index: list[int]) -> np.ndarray:
 
 def welch_p(a: list[float], b: list[float]) -> float:
     """Two-sided Welch t-test p-value; 1.0 when both samples are constant and equal."""
-    from scipy import stats
-
     if np.std(a) == 0 and np.std(b) == 0:
         return 1.0 if np.mean(a) == np.mean(b) else 0.0
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
@@ -277,8 +250,11 @@ def parity(base: list[dict], other: list[dict], names: tuple[str, str] = ("plain
             "welch_all_steps_match": bool(all(w >= ALPHA / len(welch) for w in welch))}
 
 
-def print_keys(res: dict, keys) -> None:
-    """One aligned `key: value` line per key the result holds."""
+def print_keys(res: dict, keys=None) -> None:
+    """One aligned `key: value` line per key the result holds (default: every number, flag, None and
+    short string)."""
+    short = (int, float, type(None))
+    keys = keys or [k for k, v in res.items() if isinstance(v, short) or isinstance(v, str) and len(v) < 60]
     for k in (k for k in keys if k in res):
         v = res[k]
         print(f"{k:>30}: {v:.3f}" if isinstance(v, float) else f"{k:>30}: {v}")
@@ -287,19 +263,10 @@ def print_keys(res: dict, keys) -> None:
 # ---------------------------------------------------------------- provenance and results
 def machine() -> str:
     """CPU model and core count (and the GPU's name when there is one); no host names or paths."""
-    cpu = platform.processor()
     info = Path("/proc/cpuinfo")
-    if info.exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    gpu = ""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    except ImportError:
-        pass
+    lines = info.read_text().splitlines() if info.exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
+    gpu = f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() else ""
     return f"{cpu}, {os.cpu_count()} cores{gpu}"
 
 
@@ -307,25 +274,20 @@ def config_hash(config: str | None, overrides: list[str]) -> str | None:
     """First 12 hex digits of the sha256 of the resolved config (recipe + overrides, defaults filled in)."""
     if config is None:
         return None
-    from tlt.config import load_config
-
     return hashlib.sha256(load_config(config, overrides).model_dump_json().encode()).hexdigest()[:12]
 
 
-def provenance(script: str, argv: list[str], config: str | None, overrides: list[str]) -> dict:
-    """Where a result comes from: the command line, commit, machine, date and config hash."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    return {"command": " ".join([f"python bench/{script}.py", *argv]), "commit": commit.strip(),
-            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "config_hash": config_hash(config, overrides)}
-
-
-def write_result(res: dict, script: str, args, argv: list[str] | None) -> dict:
-    """The result with its provenance header first; written to `args.json_out` when given."""
+def write_result(res: dict, script: str, args, argv: list[str] | None, show=None) -> dict:
+    """The result printed (`show`: its keys to print, default print_keys') and returned with its
+    provenance header first (command line, commit, machine, date, config hash); written to
+    `args.json_out` when given."""
+    print_keys(res, show)
     argv = list(sys.argv[1:] if argv is None else argv)
-    out = {**provenance(script, argv, getattr(args, "config", None), getattr(args, "overrides", [])), **res}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    out = {"command": " ".join([f"python bench/{script}.py", *argv]), "commit": commit.strip(), "machine": machine(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "config_hash": config_hash(getattr(args, "config", None), getattr(args, "overrides", [])), **res}
     if getattr(args, "json_out", None):
-        path = Path(args.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
     return out

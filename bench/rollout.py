@@ -2,23 +2,23 @@
 
     python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--prompts task] [--set k=v ...]
 
-Rows (greedy, batch 1 / 4 / 16): the same `--row-prompts` prompts as batches of the row's size;
-tokens/s of plain, SD and HF generate, run after run (best of `--reps`);
-`greedy_identical`: every SD output equals the plain one. SD is forced on at every batch size, to
-show where it stops paying (how `rollout.spec_threshold` is chosen). The GRPO row runs prompts x
-group at temperature 1.0 with the tail switch and tuner. Without `--drafter` (an EAGLE-3 export) SD
-uses the n-gram drafter; `--prompts task` takes the config's held-out prompts, not chat questions.
+Rows (greedy, batch 1 / 4 / 16, best of `--reps`): tokens/s of plain, SD (forced on) and HF generate
+on the same prompts, and whether SD equals plain; the GRPO row: prompts x group at temperature 1.0
+with the tail switch; the honest accept lengths. Without `--drafter` (EAGLE-3) SD drafts n-grams.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 import torch
 
 import harness
+from tlt.corpus import vocab_coverage
+from tlt.errors import UserError
+from tlt.export import load_eagle3
+from tlt.inputs import check_run_inputs
 from tlt.metrics import rollout_metrics
 from tlt.models import eos_token_ids, load_target
 from tlt.rollout import RolloutEngine, StrategyTuner
+from tlt.warmstart import heldout_accept
 
 QUESTIONS = [
     "Explain step by step how to compute 23 * 17.", "Write a short story about a robot who learns to paint.",
@@ -30,6 +30,11 @@ QUESTIONS = [
     "What are the primary colors? Explain how they mix.", "Describe the rules of tic-tac-toe.",
     "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue.",
 ]
+FLAGS = (("--drafter", None, "EAGLE-3 export directory (default: n-gram drafter)"), ("--batches", "1,4,16", None),
+         ("--max-new-tokens", None, None, int), ("--reps", 2, None), ("--no-grpo", False, None),
+         ("--row-prompts", 16, "prompts per row: batch b runs row_prompts / b batches"),
+         ("--tuner", False, "SD rows: the configured strategy tuner, not rollout.strategy"),
+         ("--prompts", "generic", "generic chat questions, or the config's held-out prompts", ("generic", "task")))
 
 
 def prompts_for(cfg, tok, kind: str, n: int, instruction: str = "") -> list[list[int]]:
@@ -71,8 +76,8 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps) -> dict:
     """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
     r = cfg.rollout
     plain = RolloutEngine(model, r, eos_ids, pad_id)
-    tuner = StrategyTuner.from_config(r) if r.tuner else None
-    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
+    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter,
+                         tuner=StrategyTuner.from_config(r) if r.tuner else None)
     kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
     best = harness.best_of({"plain": lambda: plain.generate(prompts, spec=False, **kw),
                             "spec": lambda: spec.generate(prompts, spec=True, **kw)}, reps)
@@ -86,9 +91,6 @@ def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps) -> dict:
 def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
     on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
-    from tlt.corpus import vocab_coverage
-    from tlt.warmstart import heldout_accept
-
     n, temp, eos = cfg.drafter.warmstart_eval_prompts, cfg.rollout.temperature or 1.0, eos_token_ids(tok, model)
     held = prompts_for(cfg, tok, prompts, n)
     eng = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter)
@@ -109,10 +111,7 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     the configured bandit picks every SD round's strategy (default: the fixed `rollout.strategy`)."""
     model, tok = model_and_tokenizer or load_target(cfg.model)
     eos_ids, pad_id = eos_token_ids(tok, model), tok.pad_token_id
-    drafter = None
-    if drafter_dir:
-        from tlt.export import load_eagle3
-        drafter = load_eagle3(drafter_dir, model).eval()
+    drafter = load_eagle3(drafter_dir, model).eval() if drafter_dir else None
     r = cfg.rollout.model_copy(update={"drafter": "eagle" if drafter is not None else "ngram", "tuner": False})
     max_new = max_new_tokens or r.max_new_tokens
     rows, identical = [], True
@@ -138,20 +137,7 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from tlt.errors import UserError
-    from tlt.inputs import check_run_inputs
-
-    ap = harness.parser(__doc__, threads=True)
-    ap.add_argument("--drafter", default=None, help="EAGLE-3 export directory (default: n-gram drafter)")
-    ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--row-prompts", type=int, default=16, help="prompts per row: batch b runs row_prompts / b batches")
-    ap.add_argument("--no-grpo", action="store_true")
-    ap.add_argument("--tuner", action="store_true", help="SD rows: the configured strategy tuner, not rollout.strategy")
-    ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
-                    help="generic chat questions, or the config's held-out prompts")
-    args = harness.parse(ap, argv)
+    args = harness.parse(harness.parser(__doc__, *FLAGS, threads=True), argv)
     cfg = harness.config(args)
     if args.drafter is not None and not (Path(args.drafter) / "config.json").is_file():
         raise UserError(f"--drafter '{args.drafter}' is not an EAGLE-3 export (no config.json there); pass the folder "
@@ -159,8 +145,6 @@ def main(argv: list[str] | None = None) -> dict:
     check_run_inputs(cfg)  # the config's paths, before any model loads (exit 2 from `tlt bench`)
     res = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens, args.reps,
                     grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts, tuner=args.tuner)
-    harness.print_keys(res, ("drafter", "greedy_identical", "accept_len_greedy", "accept_len_sampled",
-                             "vocab_coverage", "grpo"))
     return harness.write_result(res, "rollout", args, argv)
 
 

@@ -2,13 +2,9 @@
 
     .venv-trl/bin/python bench/trl_grpo.py ARGS.json      (written by bench/rl_step.py)
 
-Runs inside `.venv-trl`, so it imports nothing from tlt. CPU, at tlt's training precision (bf16:
-fp32 weights under the Trainer's bf16 autocast), transformers `generate`, prompts chat-templated by
-tlt and fed in its sampler order, one optimizer step = prompts x G completions. Reward: exact match
-of the completion's last number with the answer. Writes per-step wall-clock and the logged rewards.
+Runs inside `.venv-trl` (imports nothing from tlt), on the CPU at tlt's training precision; reward:
+the completion's last number equals the answer. Writes per-step wall-clock and the logged rewards.
 """
-from __future__ import annotations
-
 import json
 import re
 import sys
