@@ -8,12 +8,11 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -109,13 +108,12 @@ def run_overrides(out_dir: Path, steps: int | None = None, name: str | None = No
 @contextmanager
 def workdir(path: str | None, prefix: str):
     """`path` (kept), or a temporary folder removed at the end."""
-    out = Path(path or tempfile.mkdtemp(prefix=prefix))
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield out
-    finally:
-        if path is None:
-            shutil.rmtree(out, ignore_errors=True)
+    if path is None:
+        with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as tmp:
+            yield Path(tmp)
+    else:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
 
 
 @contextmanager
@@ -123,16 +121,13 @@ def pipelines(cfgs: dict):
     """One `Pipeline` per arm, data validated and models loaded; all closed at the end."""
     from tlt.pipeline import Pipeline
 
-    pipes: dict = {}
-    try:
+    with ExitStack() as stack:
+        pipes = {}
         for arm, cfg in cfgs.items():
-            pipes[arm] = Pipeline(cfg)
+            pipes[arm] = stack.enter_context(Pipeline(cfg))
             pipes[arm].validate_data()
             pipes[arm].prepare()
         yield pipes
-    finally:
-        for p in pipes.values():
-            p.close()
 
 
 def rotated(order: list, i: int) -> list:

@@ -2,9 +2,8 @@
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
 
-Three tlt runs from the same seed, data and warm-start drafter, interleaved step by step: adaptive
-(SD + spot trainer), plain (no SD) and frozen (SD, warm-start drafter); reward parity and greedy
-identity; then the same on vLLM (bench/rl_step_vllm.py) and TRL's GRPOTrainer (bench/trl_grpo.py).
+Three tlt runs (adaptive: SD + spot trainer, plain, frozen drafter) interleaved step by step, then the
+same on vLLM (bench/rl_step_vllm.py) and TRL's GRPOTrainer (bench/trl_grpo.py).
 """
 import gc
 import json
@@ -20,11 +19,9 @@ from tlt.data import render_prompt
 from tlt.models import bundled_smollm2_dir, load_tokenizer
 from tlt.rl.sampler import PromptSampler
 
-MODES = {  # overrides per run; "adaptive" keeps the recipe's schedule, trained by the spot trainer
-    "adaptive": ["rollout.spec=true", "drafter.where=spot"],
-    "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
-    "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
-}
+MODES = {"adaptive": ["rollout.spec=true", "drafter.where=spot"],  # the recipe's schedule, trained by the spot trainer
+         "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
+         "frozen": ["rollout.spec=true", "drafter.schedule=frozen"]}
 TRL_SPEC = ("torch==2.13.0", "trl==1.16.0")  # torch first: the local CPU wheel, never a CUDA build
 CURVES = ("step_s", "rollout_s", "update_policy_s", "update_drafter_s", "reward_mean", "accept_len",
           "spec_enabled_share", "tail_share", "response_length_mean", "drafter_spot_steps",
@@ -60,19 +57,6 @@ def trl_batching(prompts_per_step: int, group_size: int, micro_batch: int) -> tu
     return per_device, prompts_per_step * group_size // per_device
 
 
-def ensure_trl_venv(venv: Path = harness.ROOT / ".venv-trl") -> Path:
-    """Create `venv` with TRL once (a stamp makes reruns a no-op); returns its python."""
-    stamp, py = venv / ".trl-installed", venv / "bin" / "python"
-    if not (stamp.exists() and stamp.read_text().strip() == " ".join(TRL_SPEC)):
-        print(f"bench: creating {venv} with {' '.join(TRL_SPEC)} (once, ~2 min)", flush=True)
-        if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        for spec in TRL_SPEC:  # torch alone first, so trl's dependency on torch is already met
-            subprocess.run([str(py), "-m", "pip", "install", "-q", spec], check=True)
-        stamp.write_text(" ".join(TRL_SPEC) + "\n")
-    return py
-
-
 def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]]:
     """The prompts tlt's sampler draws for steps 0..N-1, chat template applied as tlt does."""
     tok, d = load_tokenizer(cfg.model), cfg.data
@@ -88,7 +72,17 @@ def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]
 
 
 def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
-    """bench/trl_grpo.py in `.venv-trl` on the same prompts, lengths and GRPO settings."""
+    """bench/trl_grpo.py in `.venv-trl` (created with TRL_SPEC once; a stamp makes reruns a no-op) on the
+    same prompts, lengths and GRPO settings."""
+    venv = harness.ROOT / ".venv-trl"
+    stamp, py = venv / ".trl-installed", venv / "bin" / "python"
+    if not (stamp.exists() and stamp.read_text().strip() == " ".join(TRL_SPEC)):
+        print(f"bench: creating {venv} with {' '.join(TRL_SPEC)} (once, ~2 min)", flush=True)
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        for spec in TRL_SPEC:  # torch alone first, so trl's dependency on torch is already met
+            subprocess.run([str(py), "-m", "pip", "install", "-q", spec], check=True)
+        stamp.write_text(" ".join(TRL_SPEC) + "\n")
     write_trl_prompts(train_rows, cfg, steps, out_dir / "trl_prompts.jsonl")
     r, rl = cfg.rollout, cfg.rl
     per_device, accum = trl_batching(r.prompts_per_step, r.group_size, cfg.trainer.micro_batch_size)
@@ -103,7 +97,7 @@ def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     script = harness.ROOT / "bench" / "trl_grpo.py"
-    subprocess.run([str(ensure_trl_venv()), str(script), str(out_dir / "trl_args.json")], check=True, env=env)
+    subprocess.run([str(py), str(script), str(out_dir / "trl_args.json")], check=True, env=env)
     return {**json.loads((out_dir / "trl.json").read_text()),
             "batching": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}}
 
@@ -132,8 +126,7 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
             "drafter_overhead_share": sum(s["update_drafter_s"] for s in a) / sum(s["step_s"] for s in a),
             "drafter_sync_share": sum(s["sync_s"] for s in a) / sum(s["step_s"] for s in a),
             "same_warmstart_drafter": tlt["same_warmstart_drafter"],
-            "same_prompts": all(r["steps"][i]["prompts"] == a[i]["prompts"] for r in runs.values()
-                                for i in range(steps)),
+            "same_prompts": all([s["prompts"] for s in r["steps"]] == [s["prompts"] for s in a] for r in runs.values()),
             "greedy_eval_identical": bool(runs["adaptive"]["greedy_identical"] and runs["frozen"]["greedy_identical"]),
             **parity(runs["plain"]["steps"], a), "curves": curves, "eval": {m: runs[m]["eval"] for m in runs},
             "trl": trl}

@@ -2,9 +2,8 @@
 
     python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--prompts task] [--set k=v ...]
 
-Rows (greedy, batch 1 / 4 / 16, best of `--reps`): tokens/s of plain, SD (forced on) and HF generate
-on the same prompts, and whether SD equals plain; the GRPO row: prompts x group at temperature 1.0
-with the tail switch; the honest accept lengths. Without `--drafter` (EAGLE-3) SD drafts n-grams.
+Per batch size (greedy, SD forced on): tokens/s and greedy identity; the GRPO row (prompts x group at
+temperature 1.0, the tail switch); honest accept lengths. Without `--drafter` SD drafts n-grams.
 """
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 import harness
 from tlt.corpus import vocab_coverage
+from tlt.data import prompt_ids
 from tlt.errors import UserError
 from tlt.export import load_eagle3
 from tlt.inputs import check_run_inputs
@@ -28,8 +28,7 @@ QUESTIONS = [
     "Explain the difference between weather and climate.", "Give three tips for learning a new language.",
     "Count from 1 to 20, separated by commas.", "Explain how a binary search works.",
     "What are the primary colors? Explain how they mix.", "Describe the rules of tic-tac-toe.",
-    "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue.",
-]
+    "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue."]
 FLAGS = (("--drafter", None, "EAGLE-3 export directory (default: n-gram drafter)"), ("--batches", "1,4,16", None),
          ("--max-new-tokens", None, None, int), ("--reps", 2, None), ("--no-grpo", False, None),
          ("--row-prompts", 16, "prompts per row: batch b runs row_prompts / b batches"),
@@ -41,9 +40,7 @@ def prompts_for(cfg, tok, kind: str, n: int, instruction: str = "") -> list[list
     """n task prompts, or n chat-templated QUESTIONS (cycling, `instruction` appended)."""
     if kind == "task":
         return harness.heldout_prompts(cfg, tok, n)
-    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + instruction}] for i in range(n)]
-    ids = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
-    return [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
+    return [prompt_ids(tok, QUESTIONS[i % len(QUESTIONS)], instruction) for i in range(n)]
 
 
 def hf_tokens(model, prompts, pad_id, eos_ids, max_new) -> int:
@@ -64,11 +61,10 @@ def batch_row(plain, spec, model, batches, pad_id, eos_ids, max_new, reps) -> tu
     (t_plain, a), (t_spec, b), (t_hf, n_hf) = best["plain"], best["spec"], best["hf"]
     n_tok = sum(len(r) for x in a for r in x.response_ids)
     plain_s, spec_s, hf = n_tok / t_plain, n_tok / t_spec, n_hf / t_hf
-    passes = sum(x.stats.spec_row_passes for x in b)
+    passes = max(sum(x.stats.spec_row_passes for x in b), 1)
     return {"batch": len(batches[0]), "prompts": sum(map(len, batches)), "plain_tok_s": plain_s, "spec_tok_s": spec_s,
             "hf_tok_s": hf, "speedup_vs_plain": spec_s / plain_s, "speedup_vs_hf": spec_s / hf,
-            "plain_vs_hf": plain_s / hf,
-            "accept_len_mean": sum(x.stats.spec_tokens for x in b) / max(passes, 1)}, \
+            "plain_vs_hf": plain_s / hf, "accept_len_mean": sum(x.stats.spec_tokens for x in b) / passes}, \
         all(x.response_ids == y.response_ids for x, y in zip(a, b))
 
 
@@ -124,9 +120,8 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
                               [pool[i:i + bs] for i in range(0, n, bs)], pad_id, eos_ids, max_new, reps)
         rows.append(row)
         identical &= same
-        print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
-              f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f}",
-              flush=True)
+        keys = ("plain_tok_s", "spec_tok_s", "hf_tok_s", "speedup_vs_plain", "accept_len_mean")
+        print(f"batch {bs:>3}: " + ", ".join(f"{k} {row[k]:.2f}" for k in keys), flush=True)
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
               "threads": torch.get_num_threads(), "greedy_identical": identical, "rows": rows,
               "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}

@@ -2,9 +2,8 @@
 
     python bench/vllm_accept.py conf/default.yaml --drafter DIR [--json OUT] [--k 3] [--max-tokens 32]
 
-tlt/vllm_check.py in the vLLM venv (`bash bench/vllm_venv.sh`), greedy, with the EAGLE-3 drafter
-(k speculative tokens) and without: `accept_len` (vLLM's tokens per verify), the acceptance rate per
-draft position and `greedy_identical`.
+tlt/vllm_check.py in the vLLM venv (`bash bench/vllm_venv.sh`), greedy, with the drafter (k speculative
+tokens) and without: `accept_len` (tokens per verify), acceptance per draft position, greedy identity.
 """
 import json
 import os
@@ -15,16 +14,6 @@ from pathlib import Path
 
 import harness
 from tlt.models import BUNDLED, bundled_smollm2_dir, load_tokenizer
-
-
-def target_dir(cfg) -> Path:
-    """The target as a local HF folder vLLM can load (the bundled model's converted cache folder)."""
-    if cfg.model.name_or_path == BUNDLED:
-        return bundled_smollm2_dir(cfg.model.cache_dir)
-    path = Path(cfg.model.name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        sys.exit(f"vllm_accept: model.name_or_path must be {BUNDLED} or a local HF folder, not {path}")
-    return path
 
 
 def summarize(result: dict) -> dict:
@@ -51,10 +40,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not Path(args.vllm_python).exists():
         sys.exit(f"vllm_accept: no vLLM venv at {args.vllm_python}; build it with `bash bench/vllm_venv.sh`")
     cfg = harness.config(args)
+    target = Path(cfg.model.name_or_path).expanduser()  # a local HF folder vLLM can load
+    if cfg.model.name_or_path == BUNDLED:
+        target = bundled_smollm2_dir(cfg.model.cache_dir)  # the bundled model's converted cache folder
+    elif not (target / "config.json").is_file():
+        sys.exit(f"vllm_accept: model.name_or_path must be {BUNDLED} or a local HF folder, not {target}")
     prompts = harness.heldout_prompts(cfg, load_tokenizer(cfg.model), args.prompts)
     with tempfile.TemporaryDirectory(prefix="vllm_accept-") as tmp:  # vLLM cannot load into tlt's venv
         (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
-        cmd = [args.vllm_python, str(harness.ROOT / "tlt" / "vllm_check.py"), str(target_dir(cfg)),
+        cmd = [args.vllm_python, str(harness.ROOT / "tlt" / "vllm_check.py"), str(target),
                str(Path(args.drafter).resolve()), str(Path(tmp) / "prompts.json"), "--k", str(args.k),
                "--max-tokens", str(args.max_tokens), "--out", str(Path(tmp) / "result.json"),
                *([] if args.ignore_eos else ["--stop-at-eos"])]
@@ -64,8 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"vllm_accept: vllm_check.py failed (rc {proc.returncode}); log tail:\n{proc.stdout[-4000:]}")
         res = summarize(json.loads((Path(tmp) / "result.json").read_text()))
     res.update(config=args.config, drafter=str(args.drafter), ignore_eos=args.ignore_eos)
-    return harness.write_result(res, "vllm_accept", args, argv, show=("prompts", "k", "response_tokens", "accept_len",
-                                                                      "accept_rate_per_pos", "greedy_identical"))
+    return harness.write_result(res, "vllm_accept", args, argv)
 
 
 if __name__ == "__main__":
