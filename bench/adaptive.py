@@ -4,10 +4,6 @@
         [--eval-prompts 64] [--eval-tokens 48] [--oracle-steps 32] [--set k=v ...]
     python bench/adaptive.py conf/default.yaml --schedules none,spot,sequential --steps 3 [--drafter-steps 4]
     python bench/adaptive.py conf/default.yaml --schedules frozen,every_k,payoff --steps 8
-
-Drift (default): one RL run (SD off, a raised `rl.lr`); after every step, the held-out accept length
-of its drafter (adaptive), the warm-start one (frozen), the refresher on old data (control) and an
-optional oracle, with the policy's drift. Schedules: the refresh schedules' runs, interleaved.
 """
 import copy
 import time
@@ -26,9 +22,8 @@ from tlt.warmstart import corpus_samples, heldout_accept
 
 DEPTH = 4
 ARMS = ("frozen", "adaptive", "control")
-SCHEDULES = {"none": ["drafter.schedule=frozen"], "spot": ["drafter.where=spot"],
-             "sequential": ["drafter.where=sequential"],  # the next three with SD on in the rollout
-             "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
+SCHEDULES = {"none": ["drafter.schedule=frozen"], "spot": ["drafter.where=spot"],  # these three: SD as configured
+             "sequential": ["drafter.where=sequential"], "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
              "every_k": ["rollout.spec=true", "drafter.schedule=every_k", "drafter.refresh_every=1"],
              "payoff": ["rollout.spec=true", "drafter.schedule=payoff"]}
 SCHEDULE_KEYS = ("step_s", "rollout_s", "update_policy_s", "drafter_s", "drafter_steps", "spec_enabled_share",
@@ -36,14 +31,10 @@ SCHEDULE_KEYS = ("step_s", "rollout_s", "update_policy_s", "drafter_s", "drafter
 FLAGS = (("--schedules", None, f"compare these schedules instead ({','.join(SCHEDULES)})"),
          ("--rl-lr", 1e-4, "policy LR of the trajectory (drift); 0 = the config's"),
          ("--drafter-steps", None, "drafter steps per RL step (default: drafter.refresh_steps)", int),
-         ("--eval-prompts", 64, "held-out prompts (data.heldout_size)"),
-         ("--eval-tokens", 48, "greedy tokens per held-out prompt"),
-         ("--kl-prompts", 16, "held-out prompts of the KL estimate"),
-         ("--sd-prompts", 8, "prompts of the final SD check (0 = skip it)"),
-         ("--oracle-steps", 0, "oracle arm's extra steps (0 = no oracle)"),
-         ("--oracle-prompts", 64, "training prompts of the oracle's rollouts"),
-         ("--mlflow-uri", None, "tracking store (default: the project's mlflow/)"),
-         ("--no-mlflow", False, "log nothing to MLflow"))
+         ("--eval-prompts", 64, "held-out prompts (data.heldout_size)"), ("--eval-tokens", 48, "greedy tokens each"),
+         ("--kl-prompts", 16, "held-out prompts of the KL estimate"), ("--sd-prompts", 8, "final SD check's (0: none)"),
+         ("--oracle-steps", 0, "the oracle's extra steps (0: none)"), ("--oracle-prompts", 64, "its rollouts' prompts"),
+         ("--mlflow-uri", None, "tracking store (default: the project's mlflow/)"), ("--no-mlflow", False, "no MLflow"))
 
 
 # ---------------------------------------------------------------- drift: the arms' drafters

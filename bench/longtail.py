@@ -2,11 +2,6 @@
 
     python bench/longtail.py conf/longtail.yaml [--prompts 16] [--group 4] [--json out.json] [--set k=v ...]
     python bench/longtail.py conf/longtail.yaml --split train --prompts 8 --group 4 --update-reps 2
-
-`--prompts` rows x `--group` plain samples at the recipe's sampling settings, scored with `rl.reward`:
-length percentiles (a long tail: `max_over_p50` >= 3 with few rows at the cap) and the share of groups
-with reward variance; `--update-reps N` also times one policy update in rollout order and in length
-order (`trainer.group_by_length`), interleaved, N times each.
 """
 import copy
 
@@ -67,35 +62,32 @@ def update_orders(cfg, model, tok, batch, reps: int, seed: int) -> dict:
             "speedup": min(times["rollout_order"]) / min(times["length_order"])}
 
 
-def run(cfg, n_prompts: int = 16, group: int = 4, split: str = "heldout", seed: int = 0, update_reps: int = 0) -> dict:
-    """n_prompts x group plain rollouts of the recipe -> the JSON-able statistics."""
+def main(argv: list[str] | None = None) -> dict:
+    """--prompts x --group plain rollouts of the recipe -> the JSON-able statistics."""
+    args = harness.parse(harness.parser(__doc__, *FLAGS), argv)
+    cfg, n, seed = harness.config(args), args.prompts, args.seed
     model, tok = load_target(cfg.model)
     ds = load_dataset(cfg.data, tok)
-    pool = ds.heldout if split == "heldout" else ds.train
-    if len(pool) < n_prompts:
-        raise SystemExit(f"--prompts {n_prompts}: the {split} split holds only {len(pool)} rows "
+    pool = ds.heldout if args.split == "heldout" else ds.train
+    if len(pool) < n:
+        raise SystemExit(f"--prompts {n}: the {args.split} split holds only {len(pool)} rows "
                          f"(raise data.heldout_size or use --split train)")
-    rows = pool.sample(n=n_prompts, random_state=seed).sort_index()  # all generators, not the first one's rows
+    rows = pool.sample(n=n, random_state=seed).sort_index()  # all generators, not the first one's rows
     r = cfg.rollout
     batch = RolloutEngine(model, r, eos_token_ids(tok, model), tok.pad_token_id).generate(
-        encoder(tok, cfg)(rows["prompt"]), group_size=group, spec=False, seed=seed)
+        encoder(tok, cfg)(rows["prompt"]), group_size=args.group, spec=False, seed=seed)
     texts = [tok.decode(ids, skip_special_tokens=True) for ids in batch.response_ids]
     col = {c: [rows[c].iloc[i] for i in batch.group_index] for c in ("prompt", "answer", "task", "meta")}
     rewards = checked_rewards(get_reward_fn(cfg.rl.reward), texts, col["answer"], tasks=col["task"], metas=col["meta"])
     lengths = [len(ids) for ids in batch.response_ids]
-    return {"config": cfg.name, "prompts": n_prompts, "group": group, "split": split,
-            "tasks": sorted(set(rows["task"])), "instruction": cfg.data.instruction, "reward": cfg.rl.reward,
-            "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
-            "threads": torch.get_num_threads(), **length_stats(lengths, r.max_new_tokens, batch.finished_eos),
-            **reward_stats(rewards, batch.group_index), "lengths": lengths,
-            "samples": [{"prompt": p, "answer": a, "response": t, "reward": w, "tokens": n}
-                        for p, a, t, w, n in zip(col["prompt"], col["answer"], texts, rewards, lengths)],
-            **(update_orders(cfg, model, tok, batch, update_reps, seed) if update_reps else {})}
-
-
-def main(argv: list[str] | None = None) -> dict:
-    args = harness.parse(harness.parser(__doc__, *FLAGS), argv)
-    res = run(harness.config(args), args.prompts, args.group, args.split, args.seed, args.update_reps)
+    res = {"config": cfg.name, "prompts": n, "group": args.group, "split": args.split,
+           "tasks": sorted(set(rows["task"])), "instruction": cfg.data.instruction, "reward": cfg.rl.reward,
+           "temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+           "threads": torch.get_num_threads(), **length_stats(lengths, r.max_new_tokens, batch.finished_eos),
+           **reward_stats(rewards, batch.group_index), "lengths": lengths,
+           "samples": [{"prompt": p, "answer": a, "response": t, "reward": w, "tokens": k}
+                       for p, a, t, w, k in zip(col["prompt"], col["answer"], texts, rewards, lengths)],
+           **(update_orders(cfg, model, tok, batch, args.update_reps, seed) if args.update_reps else {})}
     for s in res["samples"][:args.show]:
         print(f"--- [{s['reward']:.0f}] {s['tokens']} tok, gold {s['answer']}: {s['response']!r}")
     return harness.write_result(res, "longtail", args, argv)

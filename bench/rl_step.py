@@ -1,9 +1,6 @@
 """RL step benchmark: tlt's GRPO loop plain, with the adaptive drafter and with a frozen drafter, and TRL.
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
-
-Three tlt runs (adaptive: SD + spot trainer, plain, frozen drafter) interleaved step by step, then the
-same on vLLM (bench/rl_step_vllm.py) and TRL's GRPOTrainer (bench/trl_grpo.py).
 """
 import gc
 import json

@@ -1,9 +1,6 @@
 """Rollout benchmark: the engine without SD, with SD, and HF `generate`, same prompts and seed.
 
     python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--prompts task] [--set k=v ...]
-
-Per batch size (greedy, SD forced on): tokens/s and greedy identity; the GRPO row (prompts x group at
-temperature 1.0, the tail switch); honest accept lengths. Without `--drafter` SD drafts n-grams.
 """
 from pathlib import Path
 

@@ -1,9 +1,6 @@
 """An exported drafter in vLLM's CPU build: mean acceptance length on the recipe's held-out prompts.
 
     python bench/vllm_accept.py conf/default.yaml --drafter DIR [--json OUT] [--k 3] [--max-tokens 32]
-
-tlt/vllm_check.py in the vLLM venv (`bash bench/vllm_venv.sh`), greedy, with the drafter (k speculative
-tokens) and without: `accept_len` (tokens per verify), acceptance per draft position, greedy identity.
 """
 import json
 import os

@@ -1,10 +1,6 @@
 """The vLLM rollout backend against the torch engine: rollout arms, the tail switch, weight syncs.
 
     python bench/vllm_rollout.py conf/default.yaml --json out.json [--reps 2] [--fit-epochs 40] [--set k=v ...]
-
-Same fp32 target, prompts, sampling and EAGLE-3 drafter (fit to the target's greedy answers with
-`--fit-epochs N`) for every arm, best of `--reps` interleaved: vllm_plain, vllm_tail, vllm_always,
-torch_plain, torch_tail; greedy identity, where the tail run drafts, and the cost of weight syncs.
 """
 from pathlib import Path
 
