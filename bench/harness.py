@@ -86,8 +86,7 @@ def config(args, *extra: str, base: tuple = ()):
 
 
 def heldout_prompts(cfg, tokenizer, n: int | None = None) -> list[list[int]]:
-    """The config's held-out prompts rendered as the pipeline renders them (tlt.build.encoder): all, or
-    n (cycling)."""
+    """The config's held-out prompts rendered as the pipeline renders them: all, or n (cycling)."""
     from tlt.build import encoder
     from tlt.data import load_dataset
 
@@ -196,8 +195,7 @@ def timed(fn):
 
 
 def best_of(arms: dict, reps: int) -> dict:
-    """The A/B timer: every arm (name -> zero-argument callable) run once per rep, interleaved in the
-    given order; name -> (best seconds, output of the best run)."""
+    """The A/B timer: the arms (name -> callable) once per rep, interleaved; name -> (best seconds, its output)."""
     best: dict = {}
     for _ in range(reps):
         for name, fn in arms.items():
@@ -246,8 +244,7 @@ def parity(base: list[dict], other: list[dict], names: tuple[str, str] = ("plain
 
 
 def print_keys(res: dict, keys=None) -> None:
-    """One aligned `key: value` line per key the result holds (default: every number, flag, None and
-    short string)."""
+    """One aligned `key: value` line per key (default: every number, flag, None and short string)."""
     short = (int, float, type(None))
     keys = keys or [k for k, v in res.items() if isinstance(v, short) or isinstance(v, str) and len(v) < 60]
     for k in (k for k in keys if k in res):
@@ -273,9 +270,8 @@ def config_hash(config: str | None, overrides: list[str]) -> str | None:
 
 
 def write_result(res: dict, script: str, args, argv: list[str] | None, show=None) -> dict:
-    """The result printed (`show`: its keys to print, default print_keys') and returned with its
-    provenance header first (command line, commit, machine, date, config hash); written to
-    `args.json_out` when given."""
+    """The result printed (print_keys' `show`) and returned with its provenance header first (command
+    line, commit, machine, date, config hash); written to `args.json_out` when given."""
     print_keys(res, show)
     argv = list(sys.argv[1:] if argv is None else argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout

@@ -65,22 +65,6 @@ def batch_row(plain, spec, model, batches, pad_id, eos_ids, max_new, reps) -> tu
         all(x.response_ids == y.response_ids for x, y in zip(a, b))
 
 
-def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps) -> dict:
-    """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
-    r = cfg.rollout
-    plain = RolloutEngine(model, r, eos_ids, pad_id)
-    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter,
-                         tuner=StrategyTuner.from_config(r) if r.tuner else None)
-    kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
-    best = harness.best_of({"plain": lambda: plain.generate(prompts, spec=False, **kw),
-                            "spec": lambda: spec.generate(prompts, spec=True, **kw)}, reps)
-    m = rollout_metrics(best["spec"][1])
-    return {"plain_s": best["plain"][0], "spec_s": best["spec"][0], "speedup": best["plain"][0] / best["spec"][0],
-            "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
-            "enabled_share": m["spec/enabled_share"], "response_length_max": m["rollout/response_length/max"],
-            "response_length_mean": m["rollout/response_length/mean"]}
-
-
 def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
     on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
@@ -122,9 +106,20 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
               "threads": torch.get_num_threads(), "greedy_identical": identical, "rows": rows,
               "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}
-    if grpo:
-        group = prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
-        result["grpo"] = grpo_row(cfg, model, drafter, group, eos_ids, pad_id, reps)
+    if grpo:  # prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)
+        g, group = cfg.rollout, prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
+        plain = RolloutEngine(model, g, eos_ids, pad_id)
+        tuned = StrategyTuner.from_config(g) if g.tuner else None
+        spec = RolloutEngine(model, g, eos_ids, pad_id, drafter=drafter, tuner=tuned)
+        kw = dict(group_size=g.group_size, temperature=1.0, seed=0)
+        best = harness.best_of({"plain": lambda: plain.generate(group, spec=False, **kw),
+                                "spec": lambda: spec.generate(group, spec=True, **kw)}, reps)
+        (plain_s, _), (spec_s, out) = best["plain"], best["spec"]
+        m = rollout_metrics(out)
+        result["grpo"] = {"plain_s": plain_s, "spec_s": spec_s, "speedup": plain_s / spec_s,
+                          "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
+                          "enabled_share": m["spec/enabled_share"],
+                          **{f"response_length_{k}": m[f"rollout/response_length/{k}"] for k in ("max", "mean")}}
     return result
 
 
