@@ -163,29 +163,6 @@ def step_record(summary) -> dict:
             "prompts": list(dict.fromkeys(s["prompt"] for s in samples))}
 
 
-def same_warmstart(pipes: dict) -> bool:
-    """Warm-start every arm (the first builds the cache entry, the others hit it); True if all drafters
-    are equal (on a mismatch they are re-synced from the first arm's)."""
-    for p in pipes.values():
-        p.warmstart()
-    ref = next(iter(pipes.values())).drafter.state_dict()
-    same = all(sd.keys() == ref.keys() and all(sd[k].equal(ref[k]) for k in ref)
-               for sd in (p.drafter.state_dict() for p in pipes.values()))
-    if not same:
-        for p in pipes.values():
-            p.drafter.load_state_dict(ref, strict=True)
-    return same
-
-
-def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
-    """Held-out greedy evaluation with SD on at every decode step, then off, on the same weights:
-    whether the responses are token-identical (greedy SD is lossless), and both evaluations."""
-    on, off = pipe.evaluate(step, sd="always"), pipe.evaluate(step, sd="off")
-    same = [a["response"] for a in on.records] == [b["response"] for b in off.records]
-    return same, {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy, "accept_len": on.accept_len,
-                  "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
-
-
 # ---------------------------------------------------------------- timing and statistics
 def timed(fn):
     """(fn(), seconds)."""

@@ -27,16 +27,29 @@ KEY = {"plain": "plain", "adaptive": "spec", "frozen": "frozen"}  # run -> suffi
 
 
 def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None) -> dict:
-    """The three runs (arm names: `names` or the modes), interleaved: step records, end evaluations."""
+    """The three runs (arm names: `names` or the modes) from one warm-start drafter (the first arm builds
+    the cache entry, the others hit it), interleaved: step records; held-out greedy evaluations with SD
+    on at every decode step and off, on the same weights: token-identical (greedy SD is lossless)?"""
     names = names or {m: m for m in MODES}
     cfgs = {names[m]: harness.config(args, *extra, *MODES[m], *harness.run_overrides(out_dir, args.steps, f"bench-{m}"))
             for m in MODES}
     with harness.pipelines(cfgs) as pipes:
-        same = harness.same_warmstart(pipes)
+        for p in pipes.values():
+            p.warmstart()
+        ref = next(iter(pipes.values())).drafter.state_dict()
+        same = all(sd.keys() == ref.keys() and all(sd[k].equal(ref[k]) for k in ref)
+                   for sd in (p.drafter.state_dict() for p in pipes.values()))
+        if not same:  # re-synced from the first arm's
+            for p in pipes.values():
+                p.drafter.load_state_dict(ref, strict=True)
         runs = {arm: {"steps": steps} for arm, steps in harness.run_steps(pipes, args.steps).items()}
         for arm, p in pipes.items():
             if p.cfg.rollout.spec:
-                runs[arm]["greedy_identical"], runs[arm]["eval"] = harness.greedy_identical(p, args.steps)
+                on, off = p.evaluate(args.steps, sd="always"), p.evaluate(args.steps, sd="off")
+                texts = [[x["response"] for x in e.records] for e in (on, off)]
+                runs[arm]["greedy_identical"] = texts[0] == texts[1]
+                runs[arm]["eval"] = {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy,
+                                     "accept_len": on.accept_len, "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
             elif p.cfg.rollout.backend != "vllm":  # a vLLM engine built without SD cannot measure accept lengths
                 ev = p.evaluate(args.steps)
                 runs[arm]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
@@ -92,9 +105,8 @@ def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
     args = {"model_dir": str(bundled_smollm2_dir(cfg.model.cache_dir)), "prompts": str(out_dir / "trl_prompts.jsonl"),
             "out_json": str(out_dir / "trl.json"), "grpo": grpo}
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    script = harness.ROOT / "bench" / "trl_grpo.py"
-    subprocess.run([str(py), str(script), str(out_dir / "trl_args.json")], check=True, env=env)
+    subprocess.run([str(py), str(harness.ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")], check=True,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     return {**json.loads((out_dir / "trl.json").read_text()),
             "batching": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}}
 
