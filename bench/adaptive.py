@@ -147,8 +147,8 @@ def snapshot(pipe, prompts, args, drafters: dict, ref_model, start, tracker, ste
                 eval_s=time.perf_counter() - t0)
     tracker.log_metrics({"adaptive/drift_token_share": snap["drift"], "adaptive/kl": snap["kl"],
                          "adaptive/response_length": snap["response_len"],
-                         **{f"adaptive/accept_len/{a}": e.accept_len for a, e in snap["evals"].items()},
-                         **{f"adaptive/first_accept/{a}": e.first_accept for a, e in snap["evals"].items()}}, step=step)
+                         **{f"adaptive/{k}/{a}": getattr(e, k) for a, e in snap["evals"].items()
+                            for k in ("accept_len", "first_accept")}}, step=step)
     return snap
 
 

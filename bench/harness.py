@@ -136,31 +136,25 @@ def rotated(order: list, i: int) -> list:
 
 
 def run_steps(pipes: dict, steps: int, on_step=None) -> dict[str, list[dict]]:
-    """RL steps 0..steps-1 of every arm, interleaved with the order rotating every step; each step's
-    `step_record` kept per arm, a line printed and `on_step(arm, pipe, record)` called."""
+    """RL steps 0..steps-1 of every arm, interleaved with the order rotating every step; per arm and
+    step a record of its timings and metrics (STEP_METRICS) and per-sample rewards by group, a line
+    printed and `on_step(arm, pipe, record)` called."""
     records: dict[str, list[dict]] = {arm: [] for arm in pipes}
+    zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
     for step in range(steps):
         for arm in rotated(list(pipes), step):
             s = pipes[arm].rl_step(step)
-            records[arm].append(step_record(s))
+            m, ids = s.metrics, list(dict.fromkeys(x["prompt_id"] for x in s.samples))
+            records[arm].append({**{k: m.get(key, 0.0 if k in zero else None) for k, key in STEP_METRICS.items()},
+                                 "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),
+                                 "rewards": [float(x["reward"]) for x in s.samples],
+                                 "group_index": [ids.index(x["prompt_id"]) for x in s.samples],
+                                 "prompts": list(dict.fromkeys(x["prompt"] for x in s.samples))})
             print(f"step {step} {arm:>11}: {s.step_s:7.1f} s, reward {s.reward_mean:.3f}, "
                   f"accept {s.accept_len or 0:.2f}", flush=True)
             if on_step is not None:
                 on_step(arm, pipes[arm], records[arm][-1])
     return records
-
-
-# ---------------------------------------------------------------- pipeline access
-def step_record(summary) -> dict:
-    """What a suite keeps of one RL step: its timings and metrics, the per-sample rewards by group."""
-    m, samples = summary.metrics, summary.samples
-    ids = list(dict.fromkeys(s["prompt_id"] for s in samples))
-    zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
-    return {**{k: m.get(key, 0.0 if k in zero else None) for k, key in STEP_METRICS.items()},
-            "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),  # sequential or spot
-            "rewards": [float(s["reward"]) for s in samples],
-            "group_index": [ids.index(s["prompt_id"]) for s in samples],
-            "prompts": list(dict.fromkeys(s["prompt"] for s in samples))}
 
 
 # ---------------------------------------------------------------- timing and statistics
@@ -225,20 +219,10 @@ def print_keys(res: dict, keys=None) -> None:
     short = (int, float, type(None))
     keys = keys or [k for k, v in res.items() if isinstance(v, short) or isinstance(v, str) and len(v) < 60]
     for k in (k for k in keys if k in res):
-        v = res[k]
-        print(f"{k:>30}: {v:.3f}" if isinstance(v, float) else f"{k:>30}: {v}")
+        print(f"{k:>30}: {res[k]:.3f}" if isinstance(res[k], float) else f"{k:>30}: {res[k]}")
 
 
 # ---------------------------------------------------------------- provenance and results
-def machine() -> str:
-    """CPU model and core count (and the GPU's name when there is one); no host names or paths."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
-    gpu = f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} cores{gpu}"
-
-
 def config_hash(config: str | None, overrides: list[str]) -> str | None:
     """First 12 hex digits of the sha256 of the resolved config (recipe + overrides, defaults filled in)."""
     if config is None:
@@ -252,8 +236,12 @@ def write_result(res: dict, script: str, args, argv: list[str] | None, show=None
     print_keys(res, show)
     argv = list(sys.argv[1:] if argv is None else argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    out = {"command": " ".join([f"python bench/{script}.py", *argv]), "commit": commit.strip(), "machine": machine(),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    info = Path("/proc/cpuinfo")  # the machine: CPU model and cores, the GPU's name when there is one; no host names
+    lines = info.read_text().splitlines() if info.exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
+    gpu = f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() else ""
+    out = {"command": " ".join([f"python bench/{script}.py", *argv]), "commit": commit.strip(),
+           "machine": f"{cpu}, {os.cpu_count()} cores{gpu}", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "config_hash": config_hash(getattr(args, "config", None), getattr(args, "overrides", [])), **res}
     if getattr(args, "json_out", None):
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

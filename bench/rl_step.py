@@ -69,16 +69,12 @@ def trl_batching(prompts_per_step: int, group_size: int, micro_batch: int) -> tu
 
 def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]]:
     """The prompts tlt's sampler draws for steps 0..N-1, chat template applied as tlt does."""
-    tok, d = load_tokenizer(cfg.model), cfg.data
-    sampler, per_step = PromptSampler(train_rows, seed=d.seed), []
-    with path.open("w") as f:
-        for _ in range(steps):
-            rows = sampler.next(cfg.rollout.prompts_per_step)
-            per_step.append(list(rows["prompt"]))
-            for prompt, answer in zip(rows["prompt"], rows["answer"]):
-                f.write(json.dumps({"prompt": render_prompt(tok, prompt, d.instruction, d.system_prompt),
-                                    "answer": str(answer)}) + "\n")
-    return per_step
+    tok, d, sampler = load_tokenizer(cfg.model), cfg.data, PromptSampler(train_rows, seed=cfg.data.seed)
+    batches = [sampler.next(cfg.rollout.prompts_per_step) for _ in range(steps)]
+    lines = [json.dumps({"prompt": render_prompt(tok, p, d.instruction, d.system_prompt), "answer": str(a)})
+             for rows in batches for p, a in zip(rows["prompt"], rows["answer"])]
+    path.write_text("".join(line + "\n" for line in lines))
+    return [list(rows["prompt"]) for rows in batches]
 
 
 def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
