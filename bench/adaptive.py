@@ -289,10 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--schedules {args.schedules}: the arms are comma-separated names from {', '.join(SCHEDULES)}")
     if args.schedules:
         with harness.workdir(args.out_dir, "tlt-bench-schedules-") as out_dir:
-            res = run_schedules(args, out_dir)
-        for arm, means in res["arms"].items():
-            print(f"{arm:>10}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
-        return harness.write_result(res, "adaptive", args, argv)
+            return harness.write_result(run_schedules(args, out_dir), "adaptive", args, argv)
     from tlt.tracking import MlflowTracker, NullTracker
 
     tracker = NullTracker() if args.no_mlflow else MlflowTracker("tlt-bench", run_name="adaptive", uri=args.mlflow_uri)

@@ -51,9 +51,8 @@ def load(name: str):
 # ---------------------------------------------------------------- command line
 def parser(doc: str, *flags: tuple, steps: int | None = None, out_dir: bool = False, config: str | None = None,
            threads: bool = False) -> argparse.ArgumentParser:
-    """CONFIG (optional when `config` names a default), --json, --set (repeatable); --steps (RL steps
-    per arm), --out-dir (run folders kept; default a temporary folder) and --threads on request; then
-    each of `flags`: (flag, default, help[, type or tuple of choices]), a False default a switch."""
+    """CONFIG (optional with a default `config`), --json, --set (repeatable); --steps, --out-dir, --threads on
+    request; then each of `flags`: (flag, default, help[, type or tuple of choices]), a False default a switch."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("config", **({"nargs": "?", "default": config} if config else {}))
@@ -136,9 +135,8 @@ def rotated(order: list, i: int) -> list:
 
 
 def run_steps(pipes: dict, steps: int, on_step=None) -> dict[str, list[dict]]:
-    """RL steps 0..steps-1 of every arm, interleaved with the order rotating every step; per arm and
-    step a record of its timings and metrics (STEP_METRICS) and per-sample rewards by group, a line
-    printed and `on_step(arm, pipe, record)` called."""
+    """RL steps 0..steps-1 of every arm, interleaved (the order rotating every step); per arm and step a record
+    (STEP_METRICS, per-sample rewards by group), a line printed and `on_step(arm, pipe, record)` called."""
     records: dict[str, list[dict]] = {arm: [] for arm in pipes}
     zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
     for step in range(steps):

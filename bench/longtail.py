@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, *FLAGS), argv)
     cfg, n, seed = harness.config(args), args.prompts, args.seed
     model, tok = load_target(cfg.model)
-    ds = load_dataset(cfg.data, tok)
-    pool = ds.heldout if args.split == "heldout" else ds.train
+    pool = getattr(load_dataset(cfg.data, tok), args.split)  # the heldout or train rows
     if len(pool) < n:
         raise SystemExit(f"--prompts {n}: the {args.split} split holds only {len(pool)} rows "
                          f"(raise data.heldout_size or use --split train)")

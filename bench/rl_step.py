@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         tlt = run_modes(args, out_dir)
         vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(args, out_dir / "vllm")
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
-        res = vllm_arms.merge(summarize(tlt, trl, args.steps), vllm)
-    return harness.write_result(res, "rl_step", args, argv)
+        return harness.write_result(vllm_arms.merge(summarize(tlt, trl, args.steps), vllm), "rl_step", args, argv)
 
 
 if __name__ == "__main__":
