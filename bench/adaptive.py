@@ -32,8 +32,8 @@ FLAGS = (("--schedules", None, f"compare these schedules instead ({','.join(SCHE
          ("--rl-lr", 1e-4, "policy LR of the trajectory (drift); 0 = the config's"),
          ("--drafter-steps", None, "drafter steps per RL step (default: drafter.refresh_steps)", int),
          ("--eval-prompts", 64, "held-out prompts (data.heldout_size)"), ("--eval-tokens", 48, "greedy tokens each"),
-         ("--kl-prompts", 16, "held-out prompts of the KL estimate"), ("--sd-prompts", 8, "final SD check's (0: none)"),
-         ("--oracle-steps", 0, "the oracle's extra steps (0: none)"), ("--oracle-prompts", 64, "its rollouts' prompts"),
+         ("--kl-prompts", 16, "of them in the KL estimate"), ("--sd-prompts", 8, "end SD check's prompts (0: none)"),
+         ("--oracle-steps", 0, "oracle arm's extra steps (0: none)"), ("--oracle-prompts", 64, "its rollouts' prompts"),
          ("--mlflow-uri", None, "tracking store (default: the project's mlflow/)"), ("--no-mlflow", False, "no MLflow"))
 
 
