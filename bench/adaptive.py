@@ -4,26 +4,7 @@
         [--eval-prompts 64] [--eval-tokens 48] [--oracle-steps 32] [--set k=v ...]
     python bench/adaptive.py conf/default.yaml --schedules none,spot,sequential --steps 3 [--drafter-steps 4]
     python bench/adaptive.py conf/default.yaml --schedules frozen,every_k,payoff --steps 8
-
-Drift (default): one RL run, SD off in its rollouts, a raised `rl.lr`. Its own refresher
-(`--drafter-steps` sequential steps after every update) is the *adaptive* arm; from the same
-warm-started drafter, *frozen* never trains again, *control* runs the same refresher code on the
-warm-start corpus, the optional *oracle* adds `--oracle-steps` steps on the final policy's own
-rollouts. After every step, on the held-out prompts: every drafter teacher-forced through a depth-4
-chain on the policy's greedy responses (tlt.drafter.accept_eval: accept length, first-draft
-acceptance, paired bootstrap CIs) and the drift (changed greedy tokens, mean KL(pi_t || pi_0)); at
-the end one real SD run per arm (bench/rollout.py, batch 1). Figures go to MLflow (`--mlflow-uri`).
-
-Schedules (`--schedules`): one run per arm on the same prompts, interleaved step by step: none
-(`drafter.schedule: frozen`), spot and sequential (`drafter.where`), SD as configured; frozen,
-every_k (k = 1) and payoff (`drafter.schedule`) with SD on. Per arm: drafter steps and seconds per
-RL step, rollout and step seconds, the slowdown against none; `accept_len_ARM` (held-out greedy
-accept length after the warm-start and every step), `drafter_s_ARM`, `drafter_steps_ARM` (training
-in total); `payoff_accept_ratio` (mean accept length after the steps, payoff over every_k) and
-`payoff_drafter_time_ratio` (drafter seconds, payoff over every_k).
 """
-from __future__ import annotations
-
 import copy
 import time
 from pathlib import Path
@@ -32,16 +13,28 @@ import numpy as np
 import torch
 
 import harness
+from tlt.drafter.accept_eval import accept_ratio_ci, evaluate_drafter
+from tlt.drafter.refresh import DrafterRefresher
+from tlt.drafter.train import DrafterTrainer
+from tlt.export import export_eagle3
+from tlt.plots import accept_vs_drift
+from tlt.warmstart import corpus_samples, heldout_accept
 
 DEPTH = 4
 ARMS = ("frozen", "adaptive", "control")
-SCHEDULES = {"none": ["drafter.schedule=frozen"], "spot": ["drafter.where=spot"],
-             "sequential": ["drafter.where=sequential"],  # the next three with SD on in the rollout
-             "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
+SCHEDULES = {"none": ["drafter.schedule=frozen"], "spot": ["drafter.where=spot"],  # these three: SD as configured
+             "sequential": ["drafter.where=sequential"], "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
              "every_k": ["rollout.spec=true", "drafter.schedule=every_k", "drafter.refresh_every=1"],
              "payoff": ["rollout.spec=true", "drafter.schedule=payoff"]}
 SCHEDULE_KEYS = ("step_s", "rollout_s", "update_policy_s", "drafter_s", "drafter_steps", "spec_enabled_share",
                  "tail_share", "accept_len")
+FLAGS = (("--schedules", None, f"compare these schedules instead ({','.join(SCHEDULES)})"),
+         ("--rl-lr", 1e-4, "policy LR of the trajectory (drift); 0 = the config's"),
+         ("--drafter-steps", None, "drafter steps per RL step (default: drafter.refresh_steps)", int),
+         ("--eval-prompts", 64, "held-out prompts (data.heldout_size)"), ("--eval-tokens", 48, "greedy tokens each"),
+         ("--kl-prompts", 16, "of them in the KL estimate"), ("--sd-prompts", 8, "end SD check's prompts (0: none)"),
+         ("--oracle-steps", 0, "oracle arm's extra steps (0: none)"), ("--oracle-prompts", 64, "its rollouts' prompts"),
+         ("--mlflow-uri", None, "tracking store (default: the project's mlflow/)"), ("--no-mlflow", False, "no MLflow"))
 
 
 # ---------------------------------------------------------------- drift: the arms' drafters
@@ -56,9 +49,6 @@ def share_drafter(drafter):
 def refresher_copy(pipe, seed: int, **updates):
     """A DrafterRefresher over a copy of the pipeline's drafter and optimizer state, with a buffer
     large enough for anything the arm feeds it; `updates` override drafter config keys."""
-    from tlt.drafter.refresh import DrafterRefresher
-    from tlt.drafter.train import DrafterTrainer
-
     d = pipe.cfg.drafter
     trainer = DrafterTrainer(share_drafter(pipe.drafter), d, pipe.model.get_output_embeddings().weight)
     state = pipe.refresher.state_dict()
@@ -70,19 +60,13 @@ def refresher_copy(pipe, seed: int, **updates):
 def control_refresher(pipe, corpus, need_tokens: int):
     """The refresher code on a copy of the warm-started drafter, its buffer filled once with a seeded
     random subset of >= `need_tokens` warm-start corpus tokens (re-forwarded only that far)."""
-    from tlt.warmstart import corpus_samples
-
     ref = refresher_copy(pipe, pipe.cfg.rl.seed)
-    keep, n = [], 0
-    for i in np.random.default_rng(pipe.cfg.rl.seed).permutation(len(corpus)):
-        if n >= need_tokens:
-            break
-        keep.append(int(i))
-        n += len(corpus.prompt_ids[i]) + len(corpus.response_ids[i])
+    order = np.random.default_rng(pipe.cfg.rl.seed).permutation(len(corpus))
+    sizes = [len(corpus.prompt_ids[i]) + len(corpus.response_ids[i]) for i in order]
+    keep = [int(i) for i, before in zip(order, np.cumsum([0] + sizes[:-1])) if before < need_tokens]
     sub = copy.copy(corpus)
-    sub.prompt_ids, sub.response_ids = [corpus.prompt_ids[i] for i in keep], [corpus.response_ids[i] for i in keep]
-    if corpus.features is not None:
-        sub.features = [corpus.features[i] for i in keep]
+    for field in ("prompt_ids", "response_ids", "features"):
+        setattr(sub, field, None if getattr(corpus, field) is None else [getattr(corpus, field)[i] for i in keep])
     for s, p in zip(corpus_samples(pipe.model, sub, ref.aux_layer_ids, pipe.cfg), sub.prompt_ids):
         ref.buffer.add(0, s["input_ids"], s["aux"], s["target_hidden"], torch.arange(s["input_ids"].shape[0]) >= len(p))
     return ref
@@ -121,12 +105,9 @@ def rollout_samples(pipe, prompts: list[list[int]], temperature: float, seed: in
 def token_drift(responses: list[list[int]], start: list[list[int]]) -> float:
     """Share of greedy response positions whose token differs from the start policy's (a position only
     one of the two responses has counts as differing)."""
-    diff = total = 0
-    for a, b in zip(responses, start):
-        n = max(len(a), len(b))
-        diff += sum(1 for j in range(n) if j >= len(a) or j >= len(b) or a[j] != b[j])
-        total += n
-    return diff / max(total, 1)
+    pairs = list(zip(responses, start))
+    diff = sum(1 for a, b in pairs for j in range(max(len(a), len(b))) if j >= min(len(a), len(b)) or a[j] != b[j])
+    return diff / max(sum(max(len(a), len(b)) for a, b in pairs), 1)
 
 
 @torch.no_grad()
@@ -148,15 +129,13 @@ def mean_kl(samples, plens: list[int], head: torch.Tensor, ref_model, batch: int
 
 
 def accept(pipe, drafter, snap: dict):
-    from tlt.drafter.accept_eval import evaluate_drafter
-
     return evaluate_drafter(drafter, snap["samples"], snap["plens"], DEPTH, pipe.cfg.rollout.temperature or 1.0,
                             pipe.model.get_output_embeddings().weight)
 
 
-def snapshot(pipe, prompts, args, drafters: dict, ref_model, start) -> dict:
+def snapshot(pipe, prompts, args, drafters: dict, ref_model, start, tracker, step: int) -> dict:
     """Greedy responses of the current policy, drift against `start` (KL on the first --kl-prompts)
-    and every arm's accept lengths."""
+    and every arm's accept lengths, logged to `tracker` at `step`."""
     t0 = time.perf_counter()
     responses, samples = rollout_samples(pipe, prompts, 0.0, max_new=args.eval_tokens)
     snap = {"responses": responses, "samples": samples, "plens": [len(p) for p in prompts],
@@ -166,13 +145,15 @@ def snapshot(pipe, prompts, args, drafters: dict, ref_model, start) -> dict:
                 drift=0.0 if start is None else token_drift(responses, start),
                 kl=0.0 if start is None else mean_kl(samples[:k], snap["plens"][:k], head, ref_model),
                 eval_s=time.perf_counter() - t0)
+    tracker.log_metrics({"adaptive/drift_token_share": snap["drift"], "adaptive/kl": snap["kl"],
+                         "adaptive/response_length": snap["response_len"],
+                         **{f"adaptive/{k}/{a}": getattr(e, k) for a, e in snap["evals"].items()
+                            for k in ("accept_len", "first_accept")}}, step=step)
     return snap
 
 
 def sd_check(pipe, drafters: dict, out_dir: Path, args) -> dict:
     """bench/rollout.py at batch 1, tuner off, on the final policy, per arm (exported drafters)."""
-    from tlt.export import export_eagle3
-
     out = {}
     for name, d in drafters.items():
         path = export_eagle3(d, pipe.model.config, out_dir / f"drafter_{name}", force=True)
@@ -180,11 +161,9 @@ def sd_check(pipe, drafters: dict, out_dir: Path, args) -> dict:
                                                 reps=1, grpo=False, model_and_tokenizer=(pipe.model, pipe.tokenizer),
                                                 prompts="task", row_prompts=args.sd_prompts)
         row = res["rows"][0]
-        out[name] = {"speedup_vs_plain": row["speedup_vs_plain"], "spec_tok_s": row["spec_tok_s"],
-                     "plain_tok_s": row["plain_tok_s"], "accept_len": row["accept_len_mean"],
-                     "accept_len_greedy_measure": res["accept_len_greedy"],
-                     "accept_len_sampled_measure": res["accept_len_sampled"],
-                     "greedy_identical": res["greedy_identical"]}
+        out[name] = {**{k: row[k] for k in ("speedup_vs_plain", "spec_tok_s", "plain_tok_s")},
+                     "accept_len": row["accept_len_mean"], "greedy_identical": res["greedy_identical"],
+                     **{f"{k}_measure": res[k] for k in ("accept_len_greedy", "accept_len_sampled")}}
     return out
 
 
@@ -205,9 +184,7 @@ def run_drift(args, out_dir: Path, tracker) -> dict:
         control = control_refresher(pipe, corpus, 2 * args.steps * n_drafter * d.batch_tokens)
         drafters = {"frozen": share_drafter(pipe.drafter), "adaptive": pipe.drafter, "control": control.drafter}
         ref_model = copy.deepcopy(pipe.model).eval()  # pi_0, for KL(pi_t || pi_0)
-        snaps = [snapshot(pipe, prompts, args, drafters, ref_model, None)]
-        log_snapshot(tracker, 0, snaps[0])
-        log = []
+        snaps, log = [snapshot(pipe, prompts, args, drafters, ref_model, None, tracker, 0)], []
         for step in range(args.steps):
             m, c = pipe.rl_step(step).metrics, control.refresh(step)
             log.append({"step_s": m["timing_s/step"], "drafter_s": m.get("timing_s/update_drafter", 0.0),
@@ -215,8 +192,7 @@ def run_drift(args, out_dir: Path, tracker) -> dict:
                         "reward_mean": m["reward/mean"], "buffer_tokens": m.get("drafter/buffer_tokens", 0.0),
                         "drafter_loss": m.get("drafter/loss"), "control_loss": c.get("drafter/loss")})
             snaps[-1].pop("samples")  # only the newest snapshot's features are needed again
-            snaps.append(snapshot(pipe, prompts, args, drafters, ref_model, snaps[0]["responses"]))
-            log_snapshot(tracker, step + 1, snaps[-1])
+            snaps.append(snapshot(pipe, prompts, args, drafters, ref_model, snaps[0]["responses"], tracker, step + 1))
             print(f"step {step + 1}: drift {snaps[-1]['drift']:.3f}, KL {snaps[-1]['kl']:.4f}, accept " + ", ".join(
                 f"{a} {snaps[-1]['evals'][a].accept_len:.3f}" for a in ARMS), flush=True)
         out = {"snaps": snaps, "steps": log, "warmstart": ws, "cfg": pipe.cfg, "n_drafter": n_drafter, "oracle": None}
@@ -232,18 +208,7 @@ def run_drift(args, out_dir: Path, tracker) -> dict:
     return out
 
 
-def log_snapshot(tracker, step: int, snap: dict) -> None:
-    if tracker is not None:
-        tracker.log_metrics({"adaptive/drift_token_share": snap["drift"], "adaptive/kl": snap["kl"],
-                             "adaptive/response_length": snap["response_len"],
-                             **{f"adaptive/accept_len/{a}": e.accept_len for a, e in snap["evals"].items()},
-                             **{f"adaptive/first_accept/{a}": e.first_accept for a, e in snap["evals"].items()}},
-                            step=step)
-
-
 def summarize_drift(out: dict, steps: int) -> dict:
-    from tlt.drafter.accept_eval import accept_ratio_ci
-
     snaps, log, last = out["snaps"], out["steps"], out["snaps"][-1]["evals"]
     acc = {a: [s["evals"][a].accept_len for s in snaps] for a in ARMS}
     rl_s, dr_s = [s["step_s"] for s in log], [s["drafter_s"] for s in log]
@@ -251,57 +216,48 @@ def summarize_drift(out: dict, steps: int) -> dict:
     res = {"steps": steps, "snapshots": "index 0 = the start policy (before RL), index t = after t RL steps",
            "eval_prompts": len(snaps[0]["responses"]), "depth": DEPTH,
            "drift_token_share": [s["drift"] for s in snaps], "kl": [s["kl"] for s in snaps],
-           "response_length": [s["response_len"] for s in snaps], **{f"accept_{a}": acc[a] for a in ARMS},
-           **{f"first_accept_{a}": [s["evals"][a].first_accept for s in snaps] for a in ARMS},
-           **{f"accept_pos_{a}": [s["evals"][a].accept_pos for s in snaps] for a in ARMS},
-           "gain_vs_frozen": acc["adaptive"][-1] / acc["frozen"][-1],
-           "gain_vs_control": acc["adaptive"][-1] / acc["control"][-1],
-           "gain_vs_frozen_ci": accept_ratio_ci(last["adaptive"], last["frozen"]),
-           "gain_vs_control_ci": accept_ratio_ci(last["adaptive"], last["control"]),
+           "response_length": [s["response_len"] for s in snaps],
+           **{f"{key}_{a}": [getattr(s["evals"][a], field) for s in snaps] for a in ARMS
+              for key, field in (("accept", "accept_len"), ("first_accept", "first_accept"),
+                                 ("accept_pos", "accept_pos"))},
+           **{f"gain_vs_{b}": acc["adaptive"][-1] / acc[b][-1] for b in ("frozen", "control")},
+           **{f"gain_vs_{b}_ci": accept_ratio_ci(last["adaptive"], last[b]) for b in ("frozen", "control")},
            "drafter_steps_per_rl_step": float(np.mean(n_steps)) if log else 0.0,
-           "drafter_steps_configured": out["n_drafter"], "drafter_s_per_rl_step": float(np.mean(dr_s)) if log else 0.0,
-           "rl_step_s": float(np.mean(rl_s)) if log else 0.0,
+           "drafter_s_per_rl_step": float(np.mean(dr_s)) if log else 0.0,
+           "rl_step_s": float(np.mean(rl_s)) if log else 0.0, "drafter_steps_configured": out["n_drafter"],
            "drafter_share_of_rl_step": float(sum(dr_s) / max(sum(rl_s), 1e-9)),
-           "reward_mean": [s["reward_mean"] for s in log], "frozen_recheck_equal": out["frozen_recheck_equal"],
-           "adaptive_recheck_equal": out["adaptive_recheck_equal"],
+           "reward_mean": [s["reward_mean"] for s in log],
+           **{f"{a}_recheck_equal": out[f"{a}_recheck_equal"] for a in ("frozen", "adaptive")},
            "warmstart_accept_len": out["warmstart"].accept_len_after, "rl_lr": out["cfg"].rl.lr,
            "rollout_temperature": out["cfg"].rollout.temperature, "sd_check": out["sd_check"], "per_step": log}
     if o := out["oracle"]:
-        res.update({"accept_oracle": o["eval"].accept_len, "first_accept_oracle": o["eval"].first_accept,
-                    "oracle_gain_vs_frozen": o["eval"].accept_len / acc["frozen"][-1],
-                    "oracle_gain_vs_frozen_ci": accept_ratio_ci(o["eval"], last["frozen"]),
-                    "oracle_gain_vs_adaptive": o["eval"].accept_len / acc["adaptive"][-1],
-                    "oracle_steps": o["steps"], "oracle_prompts": o["prompts"],
-                    "oracle_buffer_tokens": o["buffer_tokens"], "oracle_train_s": o["train_s"]})
+        e = o.pop("eval")
+        res.update({"accept_oracle": e.accept_len, "first_accept_oracle": e.first_accept,
+                    "oracle_gain_vs_frozen": e.accept_len / acc["frozen"][-1],
+                    "oracle_gain_vs_frozen_ci": accept_ratio_ci(e, last["frozen"]),
+                    "oracle_gain_vs_adaptive": e.accept_len / acc["adaptive"][-1],
+                    **{f"oracle_{k}": v for k, v in o.items()}})
     return res
-
-
-def log_to_mlflow(tracker, res: dict) -> None:
-    from tlt.plots import accept_vs_drift
-
-    tracker.log_params({"rl_lr": res["rl_lr"], "steps": res["steps"], "eval_prompts": res["eval_prompts"],
-                        "drafter_steps": res["drafter_steps_configured"]})
-    tracker.log_metrics({f"adaptive/{k}": res[k] for k in ("gain_vs_frozen", "gain_vs_control", "drafter_s_per_rl_step",
-                                                          "accept_oracle", "oracle_gain_vs_frozen") if k in res}
-                        | {"adaptive/gain_vs_frozen_ci_low": res["gain_vs_frozen_ci"][0]}, step=res["steps"])
-    tracker.log_figure(accept_vs_drift(res["drift_token_share"], {a: res[f"accept_{a}"] for a in ARMS}, res["kl"]),
-                       "adaptive/accept_vs_drift.png")
-    tracker.log_dict(res, "adaptive/result.json")
 
 
 # ---------------------------------------------------------------- schedules
 def run_schedules(args, out_dir: Path) -> dict:
     """One run per schedule, interleaved; per arm and step the drafter steps trained in that step and
-    the held-out accept length after it (index 0: after the warm-start)."""
-    arms = args.schedules.split(",")
-    sets = [f"drafter.refresh_steps={args.drafter_steps}"] if args.drafter_steps else []
-    accept = {a: [] for a in arms}
-    base = (*harness.run_overrides(out_dir / "runs", args.steps), *sets)
+    the held-out accept length after it (index 0: after the warm-start); payoff's mean accept length
+    after the steps and its drafter seconds over every_k's."""
+    arms, accept = args.schedules.split(","), {}
+    base = (*harness.run_overrides(out_dir / "runs", args.steps),
+            *([f"drafter.refresh_steps={args.drafter_steps}"] if args.drafter_steps else []))
+
+    def measure(arm, p, record=None):  # the held-out greedy accept length (tuner off, drafter.eval_strategy)
+        prompts = p.prompt_ids(p.dataset.heldout["prompt"][: p.cfg.drafter.warmstart_eval_prompts])
+        accept.setdefault(arm, []).append(heldout_accept(p.engine, prompts, p.cfg, 0.0).accept_len)
+
     with harness.pipelines({a: harness.config(args, *SCHEDULES[a], f"name={a}", base=base) for a in arms}) as pipes:
         for a, p in pipes.items():
             p.warmstart()
-            accept[a].append(harness.heldout_accept_len(p))
-        recs = harness.run_steps(pipes, args.steps, lambda a, p, rec: accept[a].append(harness.heldout_accept_len(p)))
+            measure(a, p)
+        recs = harness.run_steps(pipes, args.steps, measure)
         budget = next(iter(pipes.values())).cfg.drafter.refresh_steps
     for runs in recs.values():
         total = 0.0
@@ -313,66 +269,45 @@ def run_schedules(args, out_dir: Path) -> dict:
             for a, runs in per_step.items()}
     for m in mean.values():
         m["drafter_share_of_step"] = m["drafter_s"] / m["step_s"]
-        if "none" in mean:
-            m["rollout_slowdown_vs_none"] = m["rollout_s"] / mean["none"]["rollout_s"]
-            m["step_slowdown_vs_none"] = m["step_s"] / mean["none"]["step_s"]
-    return {"steps": args.steps, "excluded_from_means": "step 0 (empty buffer)", "drafter_steps_budget": budget,
-            "arms": mean, "per_step": per_step, **payoff_keys(recs, accept)}
-
-
-def payoff_keys(recs: dict, accept: dict) -> dict:
-    """Per arm: held-out accept length per step, total drafter training seconds and steps; with the
-    payoff and every_k arms, payoff's mean accept length after the steps and its drafter seconds over
-    every_k's."""
-    out = {}
+        m.update({f"{k}_slowdown_vs_none": m[f"{k}_s"] / mean["none"][f"{k}_s"] for k in ("rollout", "step")}
+                 if "none" in mean else {})
+    res = {"steps": args.steps, "excluded_from_means": "step 0 (empty buffer)", "drafter_steps_budget": budget,
+           "arms": mean, "per_step": per_step}
     for a, runs in recs.items():
-        out.update({f"accept_len_{a}": accept[a], f"drafter_s_{a}": sum(r["drafter_train_s"] or 0.0 for r in runs),
+        res.update({f"accept_len_{a}": accept[a], f"drafter_s_{a}": sum(r["drafter_train_s"] or 0.0 for r in runs),
                     f"drafter_steps_{a}": max([r["drafter_steps_total"] or 0.0 for r in runs], default=0.0)})
     if {"payoff", "every_k"} <= set(recs):
-        out["payoff_accept_ratio"] = float(np.mean(accept["payoff"][1:]) / np.mean(accept["every_k"][1:]))
-        out["payoff_drafter_time_ratio"] = out["drafter_s_payoff"] / max(out["drafter_s_every_k"], 1e-9)
-    return out
+        res["payoff_accept_ratio"] = float(np.mean(accept["payoff"][1:]) / np.mean(accept["every_k"][1:]))
+        res["payoff_drafter_time_ratio"] = res["drafter_s_payoff"] / max(res["drafter_s_every_k"], 1e-9)
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__, steps=5, out_dir=True, threads=True)
-    ap.add_argument("--schedules", default=None, help=f"compare these schedules instead ({','.join(SCHEDULES)})")
-    ap.add_argument("--rl-lr", type=float, default=1e-4, help="policy LR of the trajectory (drift); 0 = the config's")
-    ap.add_argument("--drafter-steps", type=int, default=None, help="drafter steps per RL step (default: "
-                    "drafter.refresh_steps)")
-    ap.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts (data.heldout_size)")
-    ap.add_argument("--eval-tokens", type=int, default=48, help="greedy tokens per held-out prompt")
-    ap.add_argument("--kl-prompts", type=int, default=16, help="held-out prompts of the KL estimate")
-    ap.add_argument("--sd-prompts", type=int, default=8, help="prompts of the final SD check (0 = skip it)")
-    ap.add_argument("--oracle-steps", type=int, default=0, help="oracle arm's extra steps (0 = no oracle)")
-    ap.add_argument("--oracle-prompts", type=int, default=64, help="training prompts of the oracle's rollouts")
-    ap.add_argument("--mlflow-uri", default=None, help="tracking store (default: the project's mlflow/)")
-    ap.add_argument("--no-mlflow", action="store_true")
+    ap = harness.parser(__doc__, *FLAGS, steps=5, out_dir=True, threads=True)
     args = harness.parse(ap, argv)
     if args.schedules and not set(args.schedules.split(",")) <= set(SCHEDULES):
         ap.error(f"--schedules {args.schedules}: the arms are comma-separated names from {', '.join(SCHEDULES)}")
     if args.schedules:
         with harness.workdir(args.out_dir, "tlt-bench-schedules-") as out_dir:
-            res = run_schedules(args, out_dir)
-        for arm, means in res["arms"].items():
-            print(f"{arm:>10}: " + ", ".join(f"{k} {v:.2f}" for k, v in means.items()))
-        harness.print_keys(res, ("payoff_accept_ratio", "payoff_drafter_time_ratio"))
-        return harness.write_result(res, "adaptive", args, argv)
-    from tlt.tracking import MlflowTracker
+            return harness.write_result(run_schedules(args, out_dir), "adaptive", args, argv)
+    from tlt.tracking import MlflowTracker, NullTracker
 
-    tracker = None if args.no_mlflow else MlflowTracker("tlt-bench", run_name="adaptive", uri=args.mlflow_uri)
+    tracker = NullTracker() if args.no_mlflow else MlflowTracker("tlt-bench", run_name="adaptive", uri=args.mlflow_uri)
     try:
         with harness.workdir(args.out_dir, "tlt-bench-adaptive-") as out_dir:
             res = summarize_drift(run_drift(args, out_dir, tracker), args.steps)
-        if tracker is not None:
-            log_to_mlflow(tracker, res)
+        tracker.log_params({"rl_lr": res["rl_lr"], "steps": res["steps"], "eval_prompts": res["eval_prompts"],
+                            "drafter_steps": res["drafter_steps_configured"]})
+        keys = ("gain_vs_frozen", "gain_vs_control", "drafter_s_per_rl_step", "accept_oracle", "oracle_gain_vs_frozen")
+        tracker.log_metrics({f"adaptive/{k}": res[k] for k in keys if k in res}
+                            | {"adaptive/gain_vs_frozen_ci_low": res["gain_vs_frozen_ci"][0]}, step=res["steps"])
+        tracker.log_figure(accept_vs_drift(res["drift_token_share"], {a: res[f"accept_{a}"] for a in ARMS}, res["kl"]),
+                           "adaptive/accept_vs_drift.png")
+        tracker.log_dict(res, "adaptive/result.json")
+        if tracker.run_id is not None:  # not with --no-mlflow
             res["mlflow_run_id"] = tracker.run_id
     finally:
-        if tracker is not None:
-            tracker.end()
-    harness.print_keys(res, ("gain_vs_frozen", "gain_vs_frozen_ci", "gain_vs_control", "accept_oracle",
-                             "drafter_steps_per_rl_step", "drafter_s_per_rl_step", "drafter_share_of_rl_step",
-                             "frozen_recheck_equal", "adaptive_recheck_equal"))
+        tracker.end()
     return harness.write_result(res, "adaptive", args, argv)
 
 

@@ -1,30 +1,28 @@
-"""The harness every bench/ suite shares: the command line, benchmark runs (`Pipeline`s with their
-checkpoints in a scratch folder) and their arms interleaved step by step (the order rotating, so a
-shared machine's noise hits every arm alike), the A/B timer, the statistics, and the results writer
-(every JSON starts with its provenance: command line, commit, machine, date, config hash).
+"""What every bench/ suite shares (docs/performance.md: Benchmark suites): the command line, runs and
+their arms interleaved step by step, the A/B timer, the statistics and the results writer.
 bench/ is a folder of scripts, not a package: `load(name)` imports a sibling script as a module.
 """
-from __future__ import annotations
-
 import argparse
 import hashlib
 import importlib.util
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
+import torch
+from scipy import stats
+
+from tlt.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = ("command", "commit", "machine", "date", "config_hash")
-NO_CHECKPOINTS = 10 ** 6  # trainer.checkpoint_every of benchmark runs: never inside the timed steps
 ALPHA = 0.01
 PARITY_TEST = ("paired sign-flip permutation test (two-sided, 20000 draws, seed 0) on the mean over (step, prompt) "
                "pairs of the difference of group-mean rewards, {b} - {a} (same prompts per step), alpha 0.01")
@@ -51,21 +49,25 @@ def load(name: str):
 
 
 # ---------------------------------------------------------------- command line
-def parser(doc: str, steps: int | None = None, out_dir: bool = False, config: str | None = None,
+def parser(doc: str, *flags: tuple, steps: int | None = None, out_dir: bool = False, config: str | None = None,
            threads: bool = False) -> argparse.ArgumentParser:
-    """CONFIG (optional when `config` names a default), --json, --set (repeatable); --steps (RL steps
-    per arm), --out-dir (run folders kept; default a temporary folder) and --threads on request."""
+    """CONFIG (optional with a default `config`), --json, --set (repeatable); --steps, --out-dir, --threads on
+    request; then each of `flags`: (flag, default, help[, type or tuple of choices]), a False default a switch."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     ap.add_argument("config", **({"nargs": "?", "default": config} if config else {}))
     ap.add_argument("--json", dest="json_out", help="write the result (with its provenance header) here")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="config override key=value")
-    if steps is not None:
-        ap.add_argument("--steps", type=int, default=steps, help=f"RL steps per arm (default {steps})")
-    if out_dir:
-        ap.add_argument("--out-dir", default=None, help="run folders (default: a temporary folder, removed)")
-    if threads:
-        ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    common = [("--steps", steps, f"RL steps per arm (default {steps})")] if steps is not None else []
+    common += [("--out-dir", None, "run folders (default: a temporary folder, removed)")] if out_dir else []
+    common += [("--threads", None, "torch intra-op threads (default: torch's)", int)] if threads else []
+    for flag, default, text, *kind in [*common, *flags]:
+        if default is False:
+            ap.add_argument(flag, action="store_true", help=text)
+            continue
+        choices = kind[0] if kind and isinstance(kind[0], tuple) else None
+        typ = kind[0] if kind and choices is None else type(default) if default is not None else str
+        ap.add_argument(flag, type=typ, default=default, choices=choices, help=text)
     return ap
 
 
@@ -73,40 +75,29 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Names
     """The arguments; --threads applied."""
     args = ap.parse_args(argv)
     if getattr(args, "threads", None):
-        import torch
-
         torch.set_num_threads(args.threads)
     return args
 
 
 def config(args, *extra: str, base: tuple = ()):
     """The RunConfig of args.config with the overrides `base`, args.overrides, `extra` (the last wins)."""
-    from tlt.config import load_config
-
     return load_config(args.config, [*base, *args.overrides, *extra])
-
-
-def encode(cfg, tokenizer, texts) -> list[list[int]]:
-    """Prompt texts rendered as the pipeline renders them (chat template + data.instruction)."""
-    from tlt.data import prompt_ids
-
-    return [prompt_ids(tokenizer, t, cfg.data.instruction, cfg.data.system_prompt) for t in texts]
 
 
 def heldout_prompts(cfg, tokenizer, n: int | None = None) -> list[list[int]]:
     """The config's held-out prompts rendered as the pipeline renders them: all, or n (cycling)."""
+    from tlt.build import encoder
     from tlt.data import load_dataset
 
     held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
-    return encode(cfg, tokenizer, [held[i % len(held)] for i in range(n or len(held))])
+    return encoder(tokenizer, cfg)([held[i % len(held)] for i in range(n or len(held))])
 
 
 # ---------------------------------------------------------------- runs
 def run_overrides(out_dir: Path, steps: int | None = None, name: str | None = None) -> list[str]:
     """What every benchmark run sets: checkpoints in `out_dir` and none inside the steps, no sample
     tables; rl.steps = steps + 1 so the pipeline's final checkpoint is never written."""
-    sets = [f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={NO_CHECKPOINTS}",
-            "tracking.samples_every=0"]
+    sets = [f"trainer.checkpoint_dir={out_dir}", f"trainer.checkpoint_every={10 ** 6}", "tracking.samples_every=0"]
     sets += [f"rl.steps={steps + 1}"] if steps is not None else []
     return sets + ([f"name={name}"] if name else [])
 
@@ -114,13 +105,12 @@ def run_overrides(out_dir: Path, steps: int | None = None, name: str | None = No
 @contextmanager
 def workdir(path: str | None, prefix: str):
     """`path` (kept), or a temporary folder removed at the end."""
-    out = Path(path or tempfile.mkdtemp(prefix=prefix))
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        yield out
-    finally:
-        if path is None:
-            shutil.rmtree(out, ignore_errors=True)
+    if path is None:
+        with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as tmp:
+            yield Path(tmp)
+    else:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
 
 
 @contextmanager
@@ -128,16 +118,13 @@ def pipelines(cfgs: dict):
     """One `Pipeline` per arm, data validated and models loaded; all closed at the end."""
     from tlt.pipeline import Pipeline
 
-    pipes: dict = {}
-    try:
+    with ExitStack() as stack:
+        pipes = {}
         for arm, cfg in cfgs.items():
-            pipes[arm] = Pipeline(cfg)
+            pipes[arm] = stack.enter_context(Pipeline(cfg))
             pipes[arm].validate_data()
             pipes[arm].prepare()
         yield pipes
-    finally:
-        for p in pipes.values():
-            p.close()
 
 
 def rotated(order: list, i: int) -> list:
@@ -147,71 +134,24 @@ def rotated(order: list, i: int) -> list:
 
 
 def run_steps(pipes: dict, steps: int, on_step=None) -> dict[str, list[dict]]:
-    """RL steps 0..steps-1 of every arm, interleaved with the order rotating every step; each step's
-    `step_record` kept per arm, a line printed and `on_step(arm, pipe, record)` called."""
+    """RL steps 0..steps-1 of every arm, interleaved (the order rotating every step); per arm and step a record
+    (STEP_METRICS, per-sample rewards by group), a line printed and `on_step(arm, pipe, record)` called."""
     records: dict[str, list[dict]] = {arm: [] for arm in pipes}
+    zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
     for step in range(steps):
         for arm in rotated(list(pipes), step):
             s = pipes[arm].rl_step(step)
-            records[arm].append(step_record(s))
+            m, ids = s.metrics, list(dict.fromkeys(x["prompt_id"] for x in s.samples))
+            records[arm].append({**{k: m.get(key, 0.0 if k in zero else None) for k, key in STEP_METRICS.items()},
+                                 "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),
+                                 "rewards": [float(x["reward"]) for x in s.samples],
+                                 "group_index": [ids.index(x["prompt_id"]) for x in s.samples],
+                                 "prompts": list(dict.fromkeys(x["prompt"] for x in s.samples))})
             print(f"step {step} {arm:>11}: {s.step_s:7.1f} s, reward {s.reward_mean:.3f}, "
                   f"accept {s.accept_len or 0:.2f}", flush=True)
             if on_step is not None:
                 on_step(arm, pipes[arm], records[arm][-1])
     return records
-
-
-# ---------------------------------------------------------------- pipeline access
-def step_record(summary) -> dict:
-    """What a suite keeps of one RL step: its timings and metrics, the per-sample rewards by group."""
-    m, samples = summary.metrics, summary.samples
-    ids = list(dict.fromkeys(s["prompt_id"] for s in samples))
-    zero = {"rollout_s", "update_policy_s", "update_drafter_s", "sync_s", "spec_enabled_share", "ngram_share"}
-    return {**{k: m.get(key, 0.0 if k in zero else None) for k, key in STEP_METRICS.items()},
-            "drafter_train_s": m.get("drafter/train_s", m.get("drafter/idle_time_used_s", 0.0)),  # sequential or spot
-            "rewards": [float(s["reward"]) for s in samples],
-            "group_index": [ids.index(s["prompt_id"]) for s in samples],
-            "prompts": list(dict.fromkeys(s["prompt"] for s in samples))}
-
-
-def same_warmstart(pipes: dict) -> bool:
-    """Warm-start every arm (the first builds the cache entry, the others hit it); True if all drafters
-    are equal (on a mismatch they are re-synced from the first arm's)."""
-    for p in pipes.values():
-        p.warmstart()
-    ref = next(iter(pipes.values())).drafter.state_dict()
-    same = True
-    for p in pipes.values():
-        sd = p.drafter.state_dict()
-        if sd.keys() != ref.keys() or any(not sd[k].equal(ref[k]) for k in ref):
-            same = False
-            p.drafter.load_state_dict(ref, strict=True)
-    return same
-
-
-def heldout_accept_len(pipe) -> float:
-    """Greedy held-out accept length of the run's drafter on the first `drafter.warmstart_eval_prompts`
-    held-out prompts (tuner off, the fixed `drafter.eval_strategy`; tlt.warmstart.heldout_accept)."""
-    from tlt.warmstart import heldout_accept
-
-    prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"][: pipe.cfg.drafter.warmstart_eval_prompts])
-    return heldout_accept(pipe.engine, prompts, pipe.cfg, 0.0).accept_len
-
-
-def evaluate(pipe, step: int, sd: str = "config") -> tuple:
-    """(EvalSummary, per-prompt records) of the held-out greedy evaluation."""
-    summary = pipe.evaluate(step, sd=sd)
-    return summary, summary.records
-
-
-def greedy_identical(pipe, step: int) -> tuple[bool, dict]:
-    """Held-out greedy evaluation with SD on at every decode step, then off, on the same weights:
-    whether the responses are token-identical (greedy SD is lossless), and both evaluations."""
-    on, records_on = evaluate(pipe, step, "always")
-    off, records_off = evaluate(pipe, step, "off")
-    same = [a["response"] for a in records_on] == [b["response"] for b in records_off]
-    return same, {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy, "accept_len": on.accept_len,
-                  "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
 
 
 # ---------------------------------------------------------------- timing and statistics
@@ -222,12 +162,8 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def best_of(arms: dict, reps: int, warmup: int = 0) -> dict:
-    """The A/B timer: every arm (name -> zero-argument callable) run `warmup` times untimed, then once
-    per rep, interleaved in the given order; name -> (best seconds, output of the best run)."""
-    for _ in range(warmup):
-        for fn in arms.values():
-            fn()
+def best_of(arms: dict, reps: int) -> dict:
+    """The A/B timer: the arms (name -> callable) once per rep, interleaved; name -> (best seconds, its output)."""
     best: dict = {}
     for _ in range(reps):
         for name, fn in arms.items():
@@ -257,8 +193,6 @@ def group_means(rewards: list[float], group_index: list[int]) -> np.ndarray:
 
 def welch_p(a: list[float], b: list[float]) -> float:
     """Two-sided Welch t-test p-value; 1.0 when both samples are constant and equal."""
-    from scipy import stats
-
     if np.std(a) == 0 and np.std(b) == 0:
         return 1.0 if np.mean(a) == np.mean(b) else 0.0
     return float(stats.ttest_ind(a, b, equal_var=False).pvalue)
@@ -277,55 +211,36 @@ def parity(base: list[dict], other: list[dict], names: tuple[str, str] = ("plain
             "welch_all_steps_match": bool(all(w >= ALPHA / len(welch) for w in welch))}
 
 
-def print_keys(res: dict, keys) -> None:
-    """One aligned `key: value` line per key the result holds."""
+def print_keys(res: dict, keys=None) -> None:
+    """One aligned `key: value` line per key (default: every number, flag, None and short string)."""
+    short = (int, float, type(None))
+    keys = keys or [k for k, v in res.items() if isinstance(v, short) or isinstance(v, str) and len(v) < 60]
     for k in (k for k in keys if k in res):
-        v = res[k]
-        print(f"{k:>30}: {v:.3f}" if isinstance(v, float) else f"{k:>30}: {v}")
+        print(f"{k:>30}: {res[k]:.3f}" if isinstance(res[k], float) else f"{k:>30}: {res[k]}")
 
 
 # ---------------------------------------------------------------- provenance and results
-def machine() -> str:
-    """CPU model and core count (and the GPU's name when there is one); no host names or paths."""
-    cpu = platform.processor()
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
-    gpu = ""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            gpu = f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
-    except ImportError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores{gpu}"
-
-
 def config_hash(config: str | None, overrides: list[str]) -> str | None:
     """First 12 hex digits of the sha256 of the resolved config (recipe + overrides, defaults filled in)."""
     if config is None:
         return None
-    from tlt.config import load_config
-
     return hashlib.sha256(load_config(config, overrides).model_dump_json().encode()).hexdigest()[:12]
 
 
-def provenance(script: str, argv: list[str], config: str | None, overrides: list[str]) -> dict:
-    """Where a result comes from: the command line, commit, machine, date and config hash."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
-    return {"command": " ".join([f"python bench/{script}.py", *argv]), "commit": commit.strip(),
-            "machine": machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "config_hash": config_hash(config, overrides)}
-
-
-def write_result(res: dict, script: str, args, argv: list[str] | None) -> dict:
-    """The result with its provenance header first; written to `args.json_out` when given."""
+def write_result(res: dict, script: str, args, argv: list[str] | None, show=None) -> dict:
+    """The result printed (print_keys' `show`) and returned with its provenance header first (command
+    line, commit, machine, date, config hash); written to `args.json_out` when given."""
+    print_keys(res, show)
     argv = list(sys.argv[1:] if argv is None else argv)
-    out = {**provenance(script, argv, getattr(args, "config", None), getattr(args, "overrides", [])), **res}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
+    info = Path("/proc/cpuinfo")  # the machine: CPU model and cores, the GPU's name when there is one; no host names
+    lines = info.read_text().splitlines() if info.exists() else []
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
+    gpu = f", {torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}" if torch.cuda.is_available() else ""
+    out = {"command": " ".join([f"python bench/{script}.py", *argv]), "commit": commit.strip(),
+           "machine": f"{cpu}, {os.cpu_count()} cores{gpu}", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "config_hash": config_hash(getattr(args, "config", None), getattr(args, "overrides", [])), **res}
     if getattr(args, "json_out", None):
-        path = Path(args.json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=2) + "\n")
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(out, indent=2) + "\n")
     return out

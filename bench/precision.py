@@ -14,8 +14,6 @@ engine, interleaved, at the rollout temperature. `accept_len_*`: held-out greedy
 after the warm-start (tuner off, the fixed `drafter.eval_strategy`). Reward curves: the paired
 permutation test of bench/rl_step.py. Accuracy: held-out greedy accuracy after the last step.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 import harness
@@ -106,9 +104,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, steps=3), argv)
     with harness.workdir(None, "tlt-bench-precision-") as out_dir:
         res = summarize(run(args.config, args.overrides, args.steps, out_dir), args.steps)
-    harness.print_keys(res, ("step_speedup", "update_speedup", "rollout_speedup_bf16", "rollout_tok_s_speedup_plain",
-                             "rollout_tok_s_speedup_sd", "warmstart_speedup", "accept_len_fp32", "accept_len_bf16",
-                             "accuracy_fp32", "accuracy_bf16", "reward_curves_match", "parity_p_value"))
     return harness.write_result(res, "precision", args, argv)
 
 

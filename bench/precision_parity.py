@@ -13,8 +13,6 @@ sign-flip test of bench/rl_step.py on the group-mean rewards (same prompts per s
 accuracy gain (after - before) of each arm with the paired test on the per-prompt correctness
 differences of the two arms after the last step.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 import numpy as np
@@ -33,8 +31,8 @@ def one_seed(config: str, overrides: list[str], seed: int, steps: int, out_dir: 
         for arm, records in harness.run_steps(pipes, steps).items():
             out[arm]["records"] = records
         for arm, p in pipes.items():
-            ev, records = harness.evaluate(p, steps)
-            out[arm].update(accuracy_after=ev.accuracy, correct_after=[float(r["reward"] >= 1.0) for r in records])
+            ev = p.evaluate(steps)
+            out[arm].update(accuracy_after=ev.accuracy, correct_after=[float(r["reward"] >= 1.0) for r in ev.records])
     return out
 
 
@@ -67,9 +65,6 @@ def main(argv: list[str] | None = None) -> dict:
     with harness.workdir(None, "tlt-bench-parity-") as out_dir:
         runs = {s: one_seed(args.config, overrides, s, args.steps, out_dir) for s in range(args.seeds)}
     res = {"steps": args.steps, **summarize(runs)}
-    harness.print_keys(res, ("reward_mean_fp32", "reward_mean_bf16", "parity_p_value", "accuracy_before_fp32",
-                             "accuracy_before_bf16", "accuracy_after_fp32", "accuracy_after_bf16",
-                             "accuracy_after_p_value"))
     return harness.write_result(res, "precision_parity", args, argv)
 
 

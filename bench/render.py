@@ -9,7 +9,6 @@ bench/harness.py) is listed next to the tables. Blocks are delimited by
 `<!-- results:NAME:start -->` / `<!-- results:NAME:end -->` in docs/performance.md (NAME = index,
 precision, parity) and README.md (NAME = status). tests/test_results.py runs the check.
 """
-from __future__ import annotations
 
 import argparse
 import json

@@ -1,17 +1,7 @@
 """RL step benchmark: tlt's GRPO loop plain, with the adaptive drafter and with a frozen drafter, and TRL.
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
-
-Three tlt runs from the same seed, data and warm-start drafter, interleaved step by step: adaptive
-(SD + spot trainer in the rollout tail), plain (`rollout.spec=false`, no drafter training) and frozen
-(SD, warm-start drafter only). Seconds are means over steps 1..N-1 (step 0 pays one-off costs).
-Reward parity: the paired sign-flip test of the plain and adaptive reward curves; greedy evaluation
-must be token-identical with SD forced on and off. Then the same three loops on the vLLM backend
-(bench/rl_step_vllm.py) when its venv exists, and TRL's GRPOTrainer (bench/trl_grpo.py, in
-`.venv-trl`, created once) on the same model, prompts, group size and lengths.
 """
-from __future__ import annotations
-
 import gc
 import json
 import math
@@ -22,29 +12,44 @@ from pathlib import Path
 
 import harness
 from harness import mean_excluding_first, parity
+from tlt.data import render_prompt
+from tlt.models import bundled_smollm2_dir, load_tokenizer
+from tlt.rl.sampler import PromptSampler
 
-MODES = {  # overrides per run; "adaptive" keeps the recipe's schedule, trained by the spot trainer
-    "adaptive": ["rollout.spec=true", "drafter.where=spot"],
-    "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
-    "frozen": ["rollout.spec=true", "drafter.schedule=frozen"],
-}
+MODES = {"adaptive": ["rollout.spec=true", "drafter.where=spot"],  # the recipe's schedule, trained by the spot trainer
+         "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
+         "frozen": ["rollout.spec=true", "drafter.schedule=frozen"]}
 TRL_SPEC = ("torch==2.13.0", "trl==1.16.0")  # torch first: the local CPU wheel, never a CUDA build
 CURVES = ("step_s", "rollout_s", "update_policy_s", "update_drafter_s", "reward_mean", "accept_len",
           "spec_enabled_share", "tail_share", "response_length_mean", "drafter_spot_steps",
           "tokens_per_target_forward", "ngram_share")
+KEY = {"plain": "plain", "adaptive": "spec", "frozen": "frozen"}  # run -> suffix of its step_s_* / rollout_s_* keys
 
 
 def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None) -> dict:
-    """The three runs (arm names: `names` or the modes), interleaved: step records, end evaluations."""
+    """The three runs (arm names: `names` or the modes) from one warm-start drafter (the first arm builds
+    the cache entry, the others hit it), interleaved: step records; held-out greedy evaluations with SD
+    on at every decode step and off, on the same weights: token-identical (greedy SD is lossless)?"""
     names = names or {m: m for m in MODES}
     cfgs = {names[m]: harness.config(args, *extra, *MODES[m], *harness.run_overrides(out_dir, args.steps, f"bench-{m}"))
             for m in MODES}
     with harness.pipelines(cfgs) as pipes:
-        same = harness.same_warmstart(pipes)
+        for p in pipes.values():
+            p.warmstart()
+        ref = next(iter(pipes.values())).drafter.state_dict()
+        same = all(sd.keys() == ref.keys() and all(sd[k].equal(ref[k]) for k in ref)
+                   for sd in (p.drafter.state_dict() for p in pipes.values()))
+        if not same:  # re-synced from the first arm's
+            for p in pipes.values():
+                p.drafter.load_state_dict(ref, strict=True)
         runs = {arm: {"steps": steps} for arm, steps in harness.run_steps(pipes, args.steps).items()}
         for arm, p in pipes.items():
             if p.cfg.rollout.spec:
-                runs[arm]["greedy_identical"], runs[arm]["eval"] = harness.greedy_identical(p, args.steps)
+                on, off = p.evaluate(args.steps, sd="always"), p.evaluate(args.steps, sd="off")
+                texts = [[x["response"] for x in e.records] for e in (on, off)]
+                runs[arm]["greedy_identical"] = texts[0] == texts[1]
+                runs[arm]["eval"] = {"accuracy": on.accuracy, "accuracy_no_sd": off.accuracy,
+                                     "accept_len": on.accept_len, "eval_s": on.time_s, "eval_s_no_sd": off.time_s}
             elif p.cfg.rollout.backend != "vllm":  # a vLLM engine built without SD cannot measure accept lengths
                 ev = p.evaluate(args.steps)
                 runs[arm]["eval"] = {"accuracy": ev.accuracy, "eval_s": ev.time_s}
@@ -62,8 +67,20 @@ def trl_batching(prompts_per_step: int, group_size: int, micro_batch: int) -> tu
     return per_device, prompts_per_step * group_size // per_device
 
 
-def ensure_trl_venv(venv: Path = harness.ROOT / ".venv-trl") -> Path:
-    """Create `venv` with TRL once (a stamp makes reruns a no-op); returns its python."""
+def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]]:
+    """The prompts tlt's sampler draws for steps 0..N-1, chat template applied as tlt does."""
+    tok, d, sampler = load_tokenizer(cfg.model), cfg.data, PromptSampler(train_rows, seed=cfg.data.seed)
+    batches = [sampler.next(cfg.rollout.prompts_per_step) for _ in range(steps)]
+    lines = [json.dumps({"prompt": render_prompt(tok, p, d.instruction, d.system_prompt), "answer": str(a)})
+             for rows in batches for p, a in zip(rows["prompt"], rows["answer"])]
+    path.write_text("".join(line + "\n" for line in lines))
+    return [list(rows["prompt"]) for rows in batches]
+
+
+def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
+    """bench/trl_grpo.py in `.venv-trl` (created with TRL_SPEC once; a stamp makes reruns a no-op) on the
+    same prompts, lengths and GRPO settings."""
+    venv = harness.ROOT / ".venv-trl"
     stamp, py = venv / ".trl-installed", venv / "bin" / "python"
     if not (stamp.exists() and stamp.read_text().strip() == " ".join(TRL_SPEC)):
         print(f"bench: creating {venv} with {' '.join(TRL_SPEC)} (once, ~2 min)", flush=True)
@@ -72,31 +89,6 @@ def ensure_trl_venv(venv: Path = harness.ROOT / ".venv-trl") -> Path:
         for spec in TRL_SPEC:  # torch alone first, so trl's dependency on torch is already met
             subprocess.run([str(py), "-m", "pip", "install", "-q", spec], check=True)
         stamp.write_text(" ".join(TRL_SPEC) + "\n")
-    return py
-
-
-def write_trl_prompts(train_rows, cfg, steps: int, path: Path) -> list[list[str]]:
-    """The prompts tlt's sampler draws for steps 0..N-1, chat template applied as tlt does."""
-    from tlt.data import render_prompt
-    from tlt.models import load_tokenizer
-    from tlt.rl.sampler import PromptSampler
-
-    tok, d = load_tokenizer(cfg.model), cfg.data
-    sampler, per_step = PromptSampler(train_rows, seed=d.seed), []
-    with path.open("w") as f:
-        for _ in range(steps):
-            rows = sampler.next(cfg.rollout.prompts_per_step)
-            per_step.append(list(rows["prompt"]))
-            for prompt, answer in zip(rows["prompt"], rows["answer"]):
-                f.write(json.dumps({"prompt": render_prompt(tok, prompt, d.instruction, d.system_prompt),
-                                    "answer": str(answer)}) + "\n")
-    return per_step
-
-
-def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
-    """bench/trl_grpo.py in `.venv-trl` on the same prompts, lengths and GRPO settings."""
-    from tlt.models import bundled_smollm2_dir
-
     write_trl_prompts(train_rows, cfg, steps, out_dir / "trl_prompts.jsonl")
     r, rl = cfg.rollout, cfg.rl
     per_device, accum = trl_batching(r.prompts_per_step, r.group_size, cfg.trainer.micro_batch_size)
@@ -109,9 +101,8 @@ def run_trl(cfg, train_rows, steps: int, out_dir: Path) -> dict:
     args = {"model_dir": str(bundled_smollm2_dir(cfg.model.cache_dir)), "prompts": str(out_dir / "trl_prompts.jsonl"),
             "out_json": str(out_dir / "trl.json"), "grpo": grpo}
     (out_dir / "trl_args.json").write_text(json.dumps(args, indent=2))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    script = harness.ROOT / "bench" / "trl_grpo.py"
-    subprocess.run([str(ensure_trl_venv()), str(script), str(out_dir / "trl_args.json")], check=True, env=env)
+    subprocess.run([str(py), str(harness.ROOT / "bench" / "trl_grpo.py"), str(out_dir / "trl_args.json")], check=True,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     return {**json.loads((out_dir / "trl.json").read_text()),
             "batching": {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": accum}}
 
@@ -126,48 +117,36 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
     a = runs["adaptive"]["steps"]
     share, speedup = roll["plain"] / step["plain"], roll["plain"] / roll["adaptive"]
     return {"steps": steps, "excluded_from_means": "step 0" if steps > 1 else "nothing (one step)",
-            "step_s_plain": step["plain"], "step_s_spec": step["adaptive"], "step_s_frozen": step["frozen"],
+            **{f"{k}_{KEY[m]}": mean[k][m] for k in ("step_s", "rollout_s") for m in KEY},
             "step_s_trl": trl["step_s"] if trl else None, "speedup_vs_plain": step["plain"] / step["adaptive"],
             "speedup_frozen_vs_plain": step["plain"] / step["frozen"],
             "speedup_vs_trl": trl["step_s"] / step["adaptive"] if trl else None,
-            "rollout_s_plain": roll["plain"], "rollout_s_spec": roll["adaptive"], "rollout_s_frozen": roll["frozen"],
             "rollout_speedup": speedup, "rollout_speedup_frozen": roll["plain"] / roll["frozen"],
             "rollout_share_plain": share, "amdahl_bound": 1.0 / (1.0 - share + share / speedup),
             "tokens_per_target_forward": tpf["adaptive"], "tokens_per_target_forward_plain": tpf["plain"],
             "tokens_per_target_forward_frozen": tpf["frozen"], "ngram_share": mean["ngram_share"]["adaptive"],
-            "accept_len_adaptive": runs["adaptive"]["eval"]["accept_len"],
-            "accept_len_frozen": runs["frozen"]["eval"]["accept_len"],
+            **{f"accept_len_{m}": runs[m]["eval"]["accept_len"] for m in ("adaptive", "frozen")},
             "accept_len_what": "held-out greedy accept length at batch 1 after the last step (Pipeline.evaluate)",
-            "rollout_accept_len_last_adaptive": a[-1]["accept_len"],
-            "rollout_accept_len_last_frozen": runs["frozen"]["steps"][-1]["accept_len"],
+            **{f"rollout_accept_len_last_{m}": runs[m]["steps"][-1]["accept_len"] for m in ("adaptive", "frozen")},
             "drafter_overhead_share": sum(s["update_drafter_s"] for s in a) / sum(s["step_s"] for s in a),
             "drafter_sync_share": sum(s["sync_s"] for s in a) / sum(s["step_s"] for s in a),
             "same_warmstart_drafter": tlt["same_warmstart_drafter"],
-            "same_prompts": all(r["steps"][i]["prompts"] == a[i]["prompts"] for r in runs.values()
-                                for i in range(steps)),
+            "same_prompts": all([s["prompts"] for s in r["steps"]] == [s["prompts"] for s in a] for r in runs.values()),
             "greedy_eval_identical": bool(runs["adaptive"]["greedy_identical"] and runs["frozen"]["greedy_identical"]),
             **parity(runs["plain"]["steps"], a), "curves": curves, "eval": {m: runs[m]["eval"] for m in runs},
             "trl": trl}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__, steps=3, out_dir=True)
-    ap.add_argument("--no-trl", action="store_true", help="skip the TRL peer run")
-    ap.add_argument("--no-vllm", action="store_true", help="skip the vLLM arms (bench/rl_step_vllm.py)")
-    args = harness.parse(ap, argv)
+    args = harness.parse(harness.parser(__doc__, ("--no-trl", False, "skip the TRL peer run"),
+                                        ("--no-vllm", False, "skip the vLLM arms (bench/rl_step_vllm.py)"),
+                                        steps=3, out_dir=True), argv)
     vllm_arms = harness.load("rl_step_vllm")
     with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
         tlt = run_modes(args, out_dir)
         vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(args, out_dir / "vllm")
         trl = None if args.no_trl else run_trl(tlt["cfg"], tlt["train_rows"], args.steps, out_dir)
-        res = vllm_arms.merge(summarize(tlt, trl, args.steps), vllm)
-    harness.print_keys(res, ("step_s_plain", "step_s_spec", "step_s_frozen", "step_s_trl", "speedup_vs_plain",
-                             "speedup_frozen_vs_plain", "speedup_vs_trl", "rollout_speedup", "amdahl_bound",
-                             "accept_len_adaptive", "accept_len_frozen", "drafter_overhead_share", "greedy_eval_identical",
-                             "reward_curves_match", "parity_p_value", "step_s_vllm_plain", "step_s_vllm_spec",
-                             "step_s_vllm_frozen", "speedup_vllm_vs_torch_plain", "speedup_vllm_vs_torch",
-                             "vllm_rebuilds", "vllm_greedy_eval_identical"))
-    return harness.write_result(res, "rl_step", args, argv)
+        return harness.write_result(vllm_arms.merge(summarize(tlt, trl, args.steps), vllm), "rl_step", args, argv)
 
 
 if __name__ == "__main__":

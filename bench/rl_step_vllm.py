@@ -14,8 +14,6 @@ vLLM step), speedup_vllm_vs_torch (best torch-engine step over best vLLM step), 
 SD forced on vs off on vLLM, and the engines' rebuild count (0 expected); `speedup_vs_trl` becomes
 TRL's step over the best tlt step of any arm.
 """
-from __future__ import annotations
-
 import harness
 
 ARMS = {"plain": "vllm_plain", "adaptive": "vllm_spec", "frozen": "vllm_frozen"}  # rl_step's mode -> arm

@@ -1,44 +1,43 @@
 """Rollout benchmark: the engine without SD, with SD, and HF `generate`, same prompts and seed.
 
     python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--prompts task] [--set k=v ...]
-
-Rows (greedy, batch 1 / 4 / 16): the same `--row-prompts` prompts as batches of the row's size;
-tokens/s of plain, SD and HF generate, run after run (best of `--reps`);
-`greedy_identical`: every SD output equals the plain one. SD is forced on at every batch size, to
-show where it stops paying (how `rollout.spec_threshold` is chosen). The GRPO row runs prompts x
-group at temperature 1.0 with the tail switch and tuner. Without `--drafter` (an EAGLE-3 export) SD
-uses the n-gram drafter; `--prompts task` takes the config's held-out prompts, not chat questions.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 import torch
 
 import harness
+from tlt.corpus import vocab_coverage
+from tlt.data import prompt_ids
+from tlt.errors import UserError
+from tlt.export import load_eagle3
+from tlt.inputs import check_run_inputs
 from tlt.metrics import rollout_metrics
 from tlt.models import eos_token_ids, load_target
+from tlt.precision import resolve_run
 from tlt.rollout import RolloutEngine, StrategyTuner
+from tlt.warmstart import heldout_accept
 
-QUESTIONS = [
-    "Explain step by step how to compute 23 * 17.", "Write a short story about a robot who learns to paint.",
+QUESTIONS = ["Explain step by step how to compute 23 * 17.", "Write a short story about a robot who learns to paint.",
     "List the planets of the solar system and one fact about each.", "Explain what a prime number is, with examples.",
     "Describe how to make a cup of tea, step by step.", "What is 48 + 75? Show your reasoning.",
     "Summarize the water cycle in a few sentences.", "Write a Python function that reverses a string and explain it.",
     "Explain the difference between weather and climate.", "Give three tips for learning a new language.",
     "Count from 1 to 20, separated by commas.", "Explain how a binary search works.",
     "What are the primary colors? Explain how they mix.", "Describe the rules of tic-tac-toe.",
-    "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue.",
-]
+    "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue."]
+FLAGS = (("--drafter", None, "EAGLE-3 export directory (default: n-gram drafter)"), ("--batches", "1,4,16", None),
+         ("--max-new-tokens", None, None, int), ("--reps", 2, None), ("--no-grpo", False, None),
+         ("--row-prompts", 16, "prompts per row: batch b runs row_prompts / b batches"),
+         ("--tuner", False, "SD rows: the configured strategy tuner, not rollout.strategy"),
+         ("--prompts", "generic", "generic chat questions, or the config's held-out prompts", ("generic", "task")))
 
 
 def prompts_for(cfg, tok, kind: str, n: int, instruction: str = "") -> list[list[int]]:
     """n task prompts, or n chat-templated QUESTIONS (cycling, `instruction` appended)."""
     if kind == "task":
         return harness.heldout_prompts(cfg, tok, n)
-    chats = [[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + instruction}] for i in range(n)]
-    ids = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in chats]
-    return [list(x["input_ids"] if hasattr(x, "keys") else x) for x in ids]
+    return [prompt_ids(tok, QUESTIONS[i % len(QUESTIONS)], instruction) for i in range(n)]
 
 
 def hf_tokens(model, prompts, pad_id, eos_ids, max_new) -> int:
@@ -59,36 +58,16 @@ def batch_row(plain, spec, model, batches, pad_id, eos_ids, max_new, reps) -> tu
     (t_plain, a), (t_spec, b), (t_hf, n_hf) = best["plain"], best["spec"], best["hf"]
     n_tok = sum(len(r) for x in a for r in x.response_ids)
     plain_s, spec_s, hf = n_tok / t_plain, n_tok / t_spec, n_hf / t_hf
-    passes = sum(x.stats.spec_row_passes for x in b)
+    passes = max(sum(x.stats.spec_row_passes for x in b), 1)
     return {"batch": len(batches[0]), "prompts": sum(map(len, batches)), "plain_tok_s": plain_s, "spec_tok_s": spec_s,
             "hf_tok_s": hf, "speedup_vs_plain": spec_s / plain_s, "speedup_vs_hf": spec_s / hf,
-            "plain_vs_hf": plain_s / hf,
-            "accept_len_mean": sum(x.stats.spec_tokens for x in b) / max(passes, 1)}, \
+            "plain_vs_hf": plain_s / hf, "accept_len_mean": sum(x.stats.spec_tokens for x in b) / passes}, \
         all(x.response_ids == y.response_ids for x, y in zip(a, b))
-
-
-def grpo_row(cfg, model, drafter, prompts, eos_ids, pad_id, reps) -> dict:
-    """prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)."""
-    r = cfg.rollout
-    plain = RolloutEngine(model, r, eos_ids, pad_id)
-    tuner = StrategyTuner.from_config(r) if r.tuner else None
-    spec = RolloutEngine(model, r, eos_ids, pad_id, drafter=drafter, tuner=tuner)
-    kw = dict(group_size=r.group_size, temperature=1.0, seed=0)
-    best = harness.best_of({"plain": lambda: plain.generate(prompts, spec=False, **kw),
-                            "spec": lambda: spec.generate(prompts, spec=True, **kw)}, reps)
-    m = rollout_metrics(best["spec"][1])
-    return {"plain_s": best["plain"][0], "spec_s": best["spec"][0], "speedup": best["plain"][0] / best["spec"][0],
-            "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
-            "enabled_share": m["spec/enabled_share"], "response_length_max": m["rollout/response_length/max"],
-            "response_length_mean": m["rollout/response_length/mean"]}
 
 
 def accept_fields(cfg, model, tok, drafter, r, prompts: str) -> dict:
     """Honest accept length (tuner off, `drafter.eval_strategy`) greedy and at the rollout temperature
     on `drafter.warmstart_eval_prompts` prompts, and the draft vocabulary's coverage of the greedy tokens."""
-    from tlt.corpus import vocab_coverage
-    from tlt.warmstart import heldout_accept
-
     n, temp, eos = cfg.drafter.warmstart_eval_prompts, cfg.rollout.temperature or 1.0, eos_token_ids(tok, model)
     held = prompts_for(cfg, tok, prompts, n)
     eng = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter)
@@ -109,10 +88,7 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     the configured bandit picks every SD round's strategy (default: the fixed `rollout.strategy`)."""
     model, tok = model_and_tokenizer or load_target(cfg.model)
     eos_ids, pad_id = eos_token_ids(tok, model), tok.pad_token_id
-    drafter = None
-    if drafter_dir:
-        from tlt.export import load_eagle3
-        drafter = load_eagle3(drafter_dir, model).eval()
+    drafter = load_eagle3(drafter_dir, model).eval() if drafter_dir else None
     r = cfg.rollout.model_copy(update={"drafter": "eagle" if drafter is not None else "ngram", "tuner": False})
     max_new = max_new_tokens or r.max_new_tokens
     rows, identical = [], True
@@ -125,45 +101,38 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
                               [pool[i:i + bs] for i in range(0, n, bs)], pad_id, eos_ids, max_new, reps)
         rows.append(row)
         identical &= same
-        print(f"batch {bs:>3}: plain {row['plain_tok_s']:.1f} tok/s | SD {row['spec_tok_s']:.1f} tok/s "
-              f"(x{row['speedup_vs_plain']:.2f}, accept {row['accept_len_mean']:.2f}) | HF {row['hf_tok_s']:.1f}",
-              flush=True)
+        keys = ("plain_tok_s", "spec_tok_s", "hf_tok_s", "speedup_vs_plain", "accept_len_mean")
+        print(f"batch {bs:>3}: " + ", ".join(f"{k} {row[k]:.2f}" for k in keys), flush=True)
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
-              "threads": torch.get_num_threads(), "rollout_dtype": r.dtype, "greedy_identical": identical, "rows": rows,
-              "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}
-    if grpo:
-        group = prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
-        result["grpo"] = grpo_row(cfg, model, drafter, group, eos_ids, pad_id, reps)
+              "threads": torch.get_num_threads(), "rollout_dtype": r.dtype, "greedy_identical": identical,
+              "rows": rows, "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}
+    if grpo:  # prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)
+        g, group = cfg.rollout, prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
+        plain = RolloutEngine(model, g, eos_ids, pad_id)
+        tuned = StrategyTuner.from_config(g) if g.tuner else None
+        spec = RolloutEngine(model, g, eos_ids, pad_id, drafter=drafter, tuner=tuned)
+        kw = dict(group_size=g.group_size, temperature=1.0, seed=0)
+        best = harness.best_of({"plain": lambda: plain.generate(group, spec=False, **kw),
+                                "spec": lambda: spec.generate(group, spec=True, **kw)}, reps)
+        (plain_s, _), (spec_s, out) = best["plain"], best["spec"]
+        m = rollout_metrics(out)
+        result["grpo"] = {"plain_s": plain_s, "spec_s": spec_s, "speedup": plain_s / spec_s,
+                          "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
+                          "enabled_share": m["spec/enabled_share"],
+                          **{f"response_length_{k}": m[f"rollout/response_length/{k}"] for k in ("max", "mean")}}
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from tlt.device import resolve_device
-    from tlt.errors import UserError
-    from tlt.inputs import check_run_inputs
-    from tlt.precision import resolve_run
-
-    ap = harness.parser(__doc__, threads=True)
-    ap.add_argument("--drafter", default=None, help="EAGLE-3 export directory (default: n-gram drafter)")
-    ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--max-new-tokens", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--row-prompts", type=int, default=16, help="prompts per row: batch b runs row_prompts / b batches")
-    ap.add_argument("--no-grpo", action="store_true")
-    ap.add_argument("--tuner", action="store_true", help="SD rows: the configured strategy tuner, not rollout.strategy")
-    ap.add_argument("--prompts", choices=("generic", "task"), default="generic",
-                    help="generic chat questions, or the config's held-out prompts")
-    args = harness.parse(ap, argv)
+    args = harness.parse(harness.parser(__doc__, *FLAGS, threads=True), argv)
     cfg = harness.config(args)
     if args.drafter is not None and not (Path(args.drafter) / "config.json").is_file():
         raise UserError(f"--drafter '{args.drafter}' is not an EAGLE-3 export (no config.json there); pass the folder "
                         "`tlt export --out` or `tlt drafter warmstart --export` wrote")
     check_run_inputs(cfg)  # the config's paths, before any model loads (exit 2 from `tlt bench`)
-    cfg = resolve_run(cfg, resolve_device(cfg.trainer.device))[0]  # the engines decode in the dtype a run would
+    cfg = resolve_run(cfg)[0]  # 'auto' precisions as a run on this hardware resolves them: decode in that dtype
     res = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens, args.reps,
                     grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts, tuner=args.tuner)
-    harness.print_keys(res, ("drafter", "greedy_identical", "accept_len_greedy", "accept_len_sampled",
-                             "vocab_coverage", "grpo"))
     return harness.write_result(res, "rollout", args, argv)
 
 

@@ -1,13 +1,7 @@
 """Soak: `tlt run` for many RL steps, RSS sampled at every step; then no leftovers.
 
     python bench/soak.py [conf/smoke.yaml] [--steps 100] [--set key=value ...] [--json out.json]
-
-Peak RSS (the tlt process, and with all its children), RSS growth between step 10 and the last step,
-the drafter buffer size (MLflow `drafter/buffer_tokens`), and whether any process or listening port
-of this run outlives it. MLflow and Prefect state live in a temporary folder.
 """
-from __future__ import annotations
-
 import os
 import re
 import subprocess
@@ -15,28 +9,25 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import psutil
 
 import harness
+from tlt.tracking import metric_history
 
 STEP_DONE = re.compile(r"Task run 'rl-step-(\d+)' - Finished")
-MIB = 1 / 2 ** 20
 
 
 def tree_rss(proc: psutil.Process) -> tuple[int, int]:
     """(RSS of proc, RSS of proc + its descendants) in bytes; 0 for processes that just exited."""
     own = total = 0
-    try:
+    with suppress(psutil.Error):
         own = total = proc.memory_info().rss
         for child in proc.children(recursive=True):
-            try:
+            with suppress(psutil.Error):
                 total += child.memory_info().rss
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
     return own, total
 
 
@@ -53,13 +44,11 @@ class Watch:
     def sample(self) -> None:
         while not self.done.is_set():
             self.peak = tuple(map(max, self.peak, tree_rss(self.ps)))
-            try:
+            with suppress(psutil.Error):
                 self.pids.update(c.pid for c in self.ps.children(recursive=True))
                 for pid in list(self.pids):
                     self.ports.update(c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
                                       if c.status == psutil.CONN_LISTEN)
-            except psutil.Error:
-                pass
             time.sleep(0.5)
 
     def run(self) -> int:
@@ -76,32 +65,6 @@ class Watch:
         sampler.join()
         return self.proc.wait()
 
-    def leftovers(self) -> tuple[list[int], list[int]]:
-        """Pids of this run still alive, and its ports still listening."""
-        time.sleep(2)  # let exiting children go
-        alive = [p.pid for p in psutil.process_iter(["pid"]) if p.pid in self.pids and p.is_running()
-                 and p.status() != psutil.STATUS_ZOMBIE]
-        now = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
-        return alive, sorted(self.ports & now)
-
-
-def result(w: Watch, rc: int, wall: float, uri: str) -> dict:
-    from tlt.tracking import metric_history
-
-    alive, listening = w.leftovers()
-    steps = sorted(w.per_step)
-    first = w.per_step.get(10) or (w.per_step[steps[0]] if steps else (0, 0))
-    last = w.per_step[steps[-1]] if steps else (0, 0)
-    hist = metric_history(w.run_id, "drafter/buffer_tokens", uri) if w.run_id else None
-    return {"rc": rc, "steps_done": len(steps), "wall_s": round(wall, 1), "run_id": w.run_id,
-            "peak_rss_mib": round(w.peak[0] * MIB, 1), "peak_rss_tree_mib": round(w.peak[1] * MIB, 1),
-            "rss_step10_mib": round(first[0] * MIB, 1), "rss_last_mib": round(last[0] * MIB, 1),
-            "rss_growth_10_to_last_mib": round((last[0] - first[0]) * MIB, 1),
-            "rss_tree_growth_10_to_last_mib": round((last[1] - first[1]) * MIB, 1),
-            "rss_per_step_mib": {s: round(w.per_step[s][0] * MIB, 1) for s in steps},
-            "buffer_tokens": hist[-1][1] if hist else None, "processes_seen": len(w.pids),
-            "ports_seen": sorted(w.ports), "leaked_pids": alive, "leaked_listening_ports": listening}
-
 
 def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, steps=100, config="conf/smoke.yaml"), argv)
@@ -113,18 +76,30 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = [str(Path(sys.executable).with_name("tlt")), "run", args.config, *sum((["--set", s] for s in sets), [])]
     proc = subprocess.Popen(cmd, cwd=harness.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    watch = Watch(proc)
-    rc, wall = harness.timed(watch.run)
-    res = result(watch, rc, wall, env["MLFLOW_TRACKING_URI"])
-    harness.print_keys(res, [k for k in res if k != "rss_per_step_mib"])
+    w = Watch(proc)
+    rc, wall = harness.timed(w.run)
+    time.sleep(2)  # let exiting children go; then the run's pids still alive and ports still listening (leaked)
+    alive = [p.pid for p in psutil.process_iter(["pid"]) if p.pid in w.pids and p.is_running()
+             and p.status() != psutil.STATUS_ZOMBIE]
+    listening = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    steps = sorted(w.per_step)
+    first = w.per_step.get(10) or (w.per_step[steps[0]] if steps else (0, 0))
+    last = w.per_step[steps[-1]] if steps else (0, 0)
+    hist = metric_history(w.run_id, "drafter/buffer_tokens", env["MLFLOW_TRACKING_URI"]) if w.run_id else None
+    mib = lambda n_bytes: round(n_bytes / 2 ** 20, 1)  # noqa: E731
+    res = {"rc": rc, "steps_done": len(steps), "wall_s": round(wall, 1), "run_id": w.run_id,
+           "peak_rss_mib": mib(w.peak[0]), "peak_rss_tree_mib": mib(w.peak[1]), "rss_step10_mib": mib(first[0]),
+           "rss_last_mib": mib(last[0]), "rss_growth_10_to_last_mib": mib(last[0] - first[0]),
+           "rss_tree_growth_10_to_last_mib": mib(last[1] - first[1]),
+           "rss_per_step_mib": {s: mib(w.per_step[s][0]) for s in steps},
+           "buffer_tokens": hist[-1][1] if hist else None, "processes_seen": len(w.pids), "ports_seen": sorted(w.ports),
+           "leaked_pids": alive, "leaked_listening_ports": sorted(w.ports & listening)}
     print(f"MLflow and Prefect state in {tmp}")
     if rc != 0:
-        print("".join(watch.tail), file=sys.stderr)
-    res = harness.write_result(res, "soak", args, argv)
-    try:  # whatever is left (it is reported above) must not outlive the bench
+        print("".join(w.tail), file=sys.stderr)
+    res = harness.write_result(res, "soak", args, argv, show=[k for k in res if k != "rss_per_step_mib"])
+    with suppress(ProcessLookupError):  # whatever is left (it is reported above) must not outlive the bench
         os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
     return res
 
 

@@ -2,13 +2,9 @@
 
     .venv-trl/bin/python bench/trl_grpo.py ARGS.json      (written by bench/rl_step.py)
 
-Runs inside `.venv-trl`, so it imports nothing from tlt. CPU, at tlt's training precision (bf16:
-fp32 weights under the Trainer's bf16 autocast), transformers `generate`, prompts chat-templated by
-tlt and fed in its sampler order, one optimizer step = prompts x G completions. Reward: exact match
-of the completion's last number with the answer. Writes per-step wall-clock and the logged rewards.
+Runs inside `.venv-trl` (imports nothing from tlt), on the CPU at tlt's training precision; reward:
+the completion's last number equals the answer. Writes per-step wall-clock and the logged rewards.
 """
-from __future__ import annotations
-
 import json
 import re
 import sys
@@ -38,17 +34,13 @@ class StepTimer(TrainerCallback):
     """Wall-clock of each optimizer step (generation, reward, forward/backward, AdamW)."""
 
     def __init__(self):
-        self.t, self.step_s, self.logs = time.perf_counter(), [], []
+        self.t, self.step_s = time.perf_counter(), []
 
     def on_step_end(self, args, state, control, **kw):
         now = time.perf_counter()
         self.step_s.append(now - self.t)
         self.t = now
         print(f"trl step {len(self.step_s) - 1}: {self.step_s[-1]:.1f} s", flush=True)
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "reward" in logs:
-            self.logs.append(dict(logs))
 
 
 def main(path: str) -> None:
@@ -68,11 +60,11 @@ def main(path: str) -> None:
                           train_dataset=load_dataset("json", data_files=a["prompts"], split="train"), callbacks=[timer])
     t0 = timer.t = time.perf_counter()
     trainer.train()
-    steps = timer.step_s
+    steps, logs = timer.step_s, [log for log in trainer.state.log_history if "reward" in log]
     out = {"step_s": sum(steps[1:]) / (len(steps) - 1) if len(steps) > 1 else steps[0],
            "step_s_all": steps, "excluded": "step 0" if len(steps) > 1 else "nothing",
-           "train_s": time.perf_counter() - t0, "reward_mean": [float(log["reward"]) for log in timer.logs],
-           "completion_length_mean": [float(log.get("completions/mean_length", float("nan"))) for log in timer.logs],
+           "train_s": time.perf_counter() - t0, "reward_mean": [float(log["reward"]) for log in logs],
+           "completion_length_mean": [float(log.get("completions/mean_length", float("nan"))) for log in logs],
            "versions": {"trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__,
                         "torch": torch.__version__},
            "threads": torch.get_num_threads(), "bf16": g["bf16"], "reward": "exact match of the last number (inline)"}

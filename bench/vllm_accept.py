@@ -1,15 +1,7 @@
 """An exported drafter in vLLM's CPU build: mean acceptance length on the recipe's held-out prompts.
 
     python bench/vllm_accept.py conf/default.yaml --drafter DIR [--json OUT] [--k 3] [--max-tokens 32]
-
-Runs tlt/vllm_check.py in the vLLM venv (`bash bench/vllm_venv.sh` builds .venv-vllm) on the held-out
-prompts rendered as the pipeline renders them: the target with the EAGLE-3 drafter
-(`num_speculative_tokens` = k) and the target alone, both greedy. `accept_len` = 1 + accepted tokens /
-drafts (vLLM's counters: tokens per verify), the acceptance rate per draft position, and
-`greedy_identical`. Generation stops at EOS unless `--ignore-eos` (a fixed length).
 """
-from __future__ import annotations
-
 import json
 import os
 import subprocess
@@ -19,16 +11,6 @@ from pathlib import Path
 
 import harness
 from tlt.models import BUNDLED, bundled_smollm2_dir, load_tokenizer
-
-
-def target_dir(cfg) -> Path:
-    """The target as a local HF folder vLLM can load (the bundled model's converted cache folder)."""
-    if cfg.model.name_or_path == BUNDLED:
-        return bundled_smollm2_dir(cfg.model.cache_dir)
-    path = Path(cfg.model.name_or_path).expanduser()
-    if not (path / "config.json").is_file():
-        sys.exit(f"vllm_accept: model.name_or_path must be {BUNDLED} or a local HF folder, not {path}")
-    return path
 
 
 def summarize(result: dict) -> dict:
@@ -46,21 +28,24 @@ def summarize(result: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__)
+    ap = harness.parser(__doc__, ("--prompts", None, "N held-out prompts (default: all)", int),
+                        ("--k", 3, "num_speculative_tokens"), ("--max-tokens", 32, None),
+                        ("--ignore-eos", False, "fixed-length decoding past EOS (default: stop at EOS)"),
+                        ("--vllm-python", str(harness.ROOT / ".venv-vllm" / "bin" / "python"), None))
     ap.add_argument("--drafter", required=True, help="EAGLE-3 export directory (tlt drafter warmstart --export)")
-    ap.add_argument("--prompts", type=int, default=None, help="N held-out prompts (default: all)")
-    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--ignore-eos", action="store_true", help="fixed-length decoding past EOS")
-    ap.add_argument("--vllm-python", default=str(harness.ROOT / ".venv-vllm" / "bin" / "python"))
     args = harness.parse(ap, argv)
     if not Path(args.vllm_python).exists():
         sys.exit(f"vllm_accept: no vLLM venv at {args.vllm_python}; build it with `bash bench/vllm_venv.sh`")
     cfg = harness.config(args)
+    target = Path(cfg.model.name_or_path).expanduser()  # a local HF folder vLLM can load
+    if cfg.model.name_or_path == BUNDLED:
+        target = bundled_smollm2_dir(cfg.model.cache_dir)  # the bundled model's converted cache folder
+    elif not (target / "config.json").is_file():
+        sys.exit(f"vllm_accept: model.name_or_path must be {BUNDLED} or a local HF folder, not {target}")
     prompts = harness.heldout_prompts(cfg, load_tokenizer(cfg.model), args.prompts)
     with tempfile.TemporaryDirectory(prefix="vllm_accept-") as tmp:  # vLLM cannot load into tlt's venv
         (Path(tmp) / "prompts.json").write_text(json.dumps(prompts))
-        cmd = [args.vllm_python, str(harness.ROOT / "tlt" / "vllm_check.py"), str(target_dir(cfg)),
+        cmd = [args.vllm_python, str(harness.ROOT / "tlt" / "vllm_check.py"), str(target),
                str(Path(args.drafter).resolve()), str(Path(tmp) / "prompts.json"), "--k", str(args.k),
                "--max-tokens", str(args.max_tokens), "--out", str(Path(tmp) / "result.json"),
                *([] if args.ignore_eos else ["--stop-at-eos"])]
@@ -70,8 +55,6 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"vllm_accept: vllm_check.py failed (rc {proc.returncode}); log tail:\n{proc.stdout[-4000:]}")
         res = summarize(json.loads((Path(tmp) / "result.json").read_text()))
     res.update(config=args.config, drafter=str(args.drafter), ignore_eos=args.ignore_eos)
-    harness.print_keys(res, ("prompts", "k", "response_tokens", "accept_len", "accept_rate_per_pos",
-                             "greedy_identical"))
     return harness.write_result(res, "vllm_accept", args, argv)
 
 

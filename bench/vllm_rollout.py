@@ -1,31 +1,20 @@
 """The vLLM rollout backend against the torch engine: rollout arms, the tail switch, weight syncs.
 
     python bench/vllm_rollout.py conf/default.yaml --json out.json [--reps 2] [--fit-epochs 40] [--set k=v ...]
-
-Same fp32 target, prompts (the recipe's first `prompts_per_step` training prompts), sampling and
-EAGLE-3 drafter for every arm; the drafter is untrained unless `--fit-epochs N` fits it to the
-target's greedy answers of the next `--fit-prompts` training prompts. Rollout arms (prompts x group
-at the recipe's temperature, best of `--reps` interleaved): vllm_plain, vllm_tail (SD at <=
-rollout.spec_threshold running), vllm_always, torch_plain, torch_tail. Greedy: every vLLM mode and
-torch plain give identical outputs (`greedy_identical`); the tail run drafts only after a step with
-<= spec_threshold requests (`tail_only_drafts`); `drafts_static` / `drafts_tail` count verify rounds.
-vLLM's CPU build decodes sampled calls without SD (`vllm_sampled_sd` false). Syncs: `sync_s` after a
-policy change, `drafter_reload_s` after a drafter change; `rebuilds` must stay 0.
 """
-from __future__ import annotations
-
 from pathlib import Path
 
 import torch
 
 import harness
+from tlt.build import encoder
 from tlt.data import load_dataset
 from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, fit
 from tlt.models import eos_token_ids, load_target
-from tlt.rollout import RolloutEngine
-from tlt.rollout.tuner import StrategyTuner
+from tlt.rollout import RolloutEngine, StrategyTuner
 from tlt.rollout.vllm_backend import VllmRolloutEngine
+from tlt.versions import bump
 
 
 def fitted_drafter(model, cfg, plain, train_prompts: list[list[int]], epochs: int):
@@ -62,12 +51,13 @@ def greedy_checks(vllm, torch_plain, prompts: list[list[int]], threshold: int) -
 
 def syncs(vllm, model, drafter) -> dict:
     """Cost of a policy sync (an MLP weight and the embedding changed) and of a drafter reload."""
-    with torch.no_grad():
+    with torch.no_grad():  # written as an update and a refresh write them; a bump is what the engines sync by
         model.model.layers[0].mlp.down_proj.weight.mul_(1.001)
         model.get_input_embeddings().weight.mul_(1.001)
-    policy = vllm.sync()
-    with torch.no_grad():
         drafter.fc.weight.mul_(1.001)
+    bump(model)
+    policy = vllm.sync()
+    bump(drafter)
     reload = vllm.sync()
     return {"sync_s": round(policy["rollout/vllm_sync_s"], 3), "sync_reload_s": round(policy["rollout/vllm_reload_s"], 3),
             "drafter_reload_s": round(reload["rollout/vllm_sync_s"], 3),
@@ -76,16 +66,13 @@ def syncs(vllm, model, drafter) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = harness.parser(__doc__)
-    ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--fit-epochs", type=int, default=0)
-    ap.add_argument("--fit-prompts", type=int, default=64)
-    args = harness.parse(ap, argv)
+    args = harness.parse(harness.parser(__doc__, ("--reps", 2, "best of N"), ("--fit-epochs", 0, "drafter fit epochs"),
+                                        ("--fit-prompts", 64, "training prompts the drafter is fit to")), argv)
     cfg = harness.config(args, "model.dtype=float32", "rollout.drafter=eagle", "rollout.spec=true")
     r, n = cfg.rollout, cfg.rollout.prompts_per_step
     model, tok = load_target(cfg.model)
     eos = eos_token_ids(tok, model)
-    prompts = harness.encode(cfg, tok, load_dataset(cfg.data, tok).train["prompt"][: n + args.fit_prompts])
+    prompts = encoder(tok, cfg)(load_dataset(cfg.data, tok).train["prompt"][: n + args.fit_prompts])
     drafter = fitted_drafter(model, cfg, RolloutEngine(model, r, eos, tok.pad_token_id), prompts[n:], args.fit_epochs)
     prompts = prompts[:n]
     vllm, start_s = harness.timed(lambda: VllmRolloutEngine.for_run(model, tok, cfg, eos, drafter,
@@ -112,7 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
         res.update(syncs(vllm, model, drafter), rebuilds=vllm.rebuilds)
     finally:
         vllm.close()
-    harness.print_keys(res, [k for k, v in res.items() if isinstance(v, (int, float))])
     return harness.write_result(res, "vllm_rollout", args, argv)
 
 
