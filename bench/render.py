@@ -220,8 +220,27 @@ def schedules_block(results: dict, prefix: str) -> str:
     return "\n".join(out)
 
 
+def drift_block(results: dict, prefix: str) -> str:
+    """bench/adaptive.py (drift): held-out accept length of frozen, adaptive and control drafters per RL step."""
+    runs = {n: r for n, r in results.items() if suite(r) == "adaptive" and "accept_adaptive" in r}
+    if not runs:
+        return f"The drafter under drift: {NOT_MEASURED}."
+    out = []
+    for n, r in runs.items():
+        out += [f"[`{recipe(r)}`]({prefix}/{n}.json), rl.lr {r['rl_lr']:g}, {r['drafter_steps_per_rl_step']:.0f} "
+                "drafter steps per RL step:", "",
+                "| after RL step | greedy tokens changed | KL(π_t ‖ π_0) | frozen | adaptive | control |",
+                "|---|---|---|---|---|---|"]
+        out += [f"| {t} | {r['drift_token_share'][t]:.2f} | {r['kl'][t]:.3f} | {r['accept_frozen'][t]:.2f} | "
+                f"**{r['accept_adaptive'][t]:.2f}** | {r['accept_control'][t]:.2f} |" for t in range(len(r["kl"]))]
+        lo, hi = r["gain_vs_frozen_ci"]
+        out += ["", f"Adaptive over frozen after the last step: {x(r['gain_vs_frozen'])} (95 % CI {lo:.2f}–{hi:.2f}); "
+                f"over control (the same refresher on the warm-start corpus): {x(r['gain_vs_control'])}."]
+    return "\n".join(out)
+
+
 BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
-          "rollout": rollout_block, "schedules": schedules_block, "status": status_block}
+          "rollout": rollout_block, "schedules": schedules_block, "drift": drift_block, "status": status_block}
 
 
 # ---------------------------------------------------------------- pages
