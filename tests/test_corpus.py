@@ -59,7 +59,7 @@ def test_vocab_coverage():
 
 def test_measure_accept_is_tuner_free_and_restores_the_engine(setup):
     """The accept length does not depend on a tuner: same number with or without one, the tuner
-    learns nothing from it, and the engine's config comes back unchanged."""
+    learns nothing from it, and the engine's config, tuner and prompt history come back unchanged."""
     cfg, model, tok, ds, _, enc = setup
     torch.manual_seed(0)
     drafter = build_drafter(model, DrafterConfig(draft_vocab_size=0)).eval()
@@ -68,8 +68,10 @@ def test_measure_accept_is_tuner_free_and_restores_the_engine(setup):
     tuner = StrategyTuner.default(rc.tuner_buckets, plain=True)
     before = tuner.state()
     eng = RolloutEngine(model, rc, eos_token_ids(tok, model), tok.pad_token_id, drafter=drafter, tuner=tuner)
+    history = eng.history
     a = measure_accept(eng, prompts, 0.0, 8, SpecStrategy(depth=3, topk=1, tokens=3), batch_size=2)
     assert tuner.state() == before and eng.cfg == rc and eng.tuner is tuner
+    assert eng.history is history and len(history) == 0  # the measurement's answers are not kept
     plain = RolloutEngine(model, rc, eos_token_ids(tok, model), tok.pad_token_id, drafter=drafter)
     b = measure_accept(plain, prompts, 0.0, 8, SpecStrategy(depth=3, topk=1, tokens=3), batch_size=4)
     assert a.accept_len == b.accept_len and a.responses == b.responses and 1.0 <= a.accept_len <= 4.0

@@ -188,3 +188,19 @@ def test_results_are_returned_not_left_on_attributes():
     src = (ROOT / "tlt" / "pipeline.py").read_text() + "".join(p.read_text() for p in (ROOT / "tlt/stages").glob("*.py"))
     for side_channel in ("last_eval_records", "eval_accept_len", "eval_accept_sampled", "ctx.samples", "ctx.last_batch"):
         assert side_channel not in src, side_channel
+
+
+def test_no_caller_reads_an_engines_config_bandit_or_history():
+    """The Engine Protocol (tlt/rl/protocols.py) lists behaviour only: outside tlt/rollout/ (the
+    engines' own modules) nobody reads or sets `<engine>.cfg`, `.tuner` or `.history`; a checkpoint
+    goes through `state_dict`, a fixed-strategy measurement through `fixed_strategy`."""
+    bad = []
+    for p in _sources():
+        rel = p.relative_to(ROOT)
+        if rel.parts[:2] == ("tlt", "rollout"):
+            continue
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.Attribute) and n.attr in ("cfg", "tuner", "history") \
+                    and any(w in ast.unparse(n.value).lower() for w in ("engine", "pool")):
+                bad.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
+    assert not bad, bad

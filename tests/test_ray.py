@@ -84,6 +84,20 @@ def test_actors_match_the_local_engine_and_report_the_new_version(setup):
     bump(model)
 
 
+def test_pool_contract_capabilities_state_and_no_fixed_strategy(setup):
+    """The pool reports its actors' torch engines' capabilities (trees, no bandit: tuner off), keeps
+    no checkpoint state in the driver, and a fixed-strategy measurement raises with the reason."""
+    from tlt.rollout.capabilities import EngineCapabilityError
+
+    pool = setup[3]
+    caps = pool.capabilities
+    assert caps.tree_strategies and not caps.tuner and not caps.fixed_strategy and "Ray rollout pool" in caps.name
+    assert pool.state_dict() == {}
+    with pytest.raises(EngineCapabilityError, match="cannot measure a fixed strategy"):
+        with pool.fixed_strategy(CFG.strategy, 2):
+            pass
+
+
 def test_zero2_updates_in_the_driver_reach_the_actors(setup, monkeypatch, tmp_path):
     """World size 1 keeps the update in the driver; ZeRO-2 writes the parameters through views that
     torch's tensor version counters miss; the updater bumps the policy's version, so `sync` pushes after

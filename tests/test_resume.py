@@ -184,3 +184,52 @@ def test_faults_are_a_no_op_unless_named(monkeypatch):
     with pytest.raises(InjectedFault):
         fault("update", 2)
     fault("update", 2)  # once per process: a retry gets past it
+
+
+class _Stub:
+    """A sampler or updater for save/restore: its state in, its state out."""
+
+    def __init__(self, state):
+        self.s = state
+
+    def state(self):
+        return self.s
+
+    def load_state(self, state):
+        self.s = state
+
+    state_dict, load_state_dict = state, load_state
+
+
+def test_engine_bandit_round_trips_through_a_checkpoint(tmp_path):
+    """The engine's `state_dict()` (its bandit) is saved with the run and restored through
+    `load_state_dict` into a fresh engine; a state that keeps the bandit as a top-level "tuner"
+    (older checkpoints) is read as the engine's too."""
+    from types import SimpleNamespace
+
+    from tlt.config import RolloutConfig
+    from tlt.models import tiny_model
+    from tlt.rl.resume import engine_state, restore_run_state, save_run_state
+    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.tuner import StrategyTuner
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", layers=2, hidden=64, vocab=128)
+    cfg = RolloutConfig(max_new_tokens=4)
+
+    def ctx(seed: int):
+        engine = RolloutEngine(model, cfg, [2], 0, tuner=StrategyTuner.from_config(cfg, seed=seed))
+        return SimpleNamespace(model=model, updater=_Stub({}), sampler=_Stub({"cursor": seed}), refresher=None,
+                               engine=engine)
+
+    a = ctx(1)
+    tuner = a.engine.tuner
+    for i in range(20):
+        tuner.update(1 + i % 8, tuner.choose(1 + i % 8), float(i % 3))
+    save_run_state(a, 0, tmp_path, keep=2)
+    b = ctx(2)
+    assert b.engine.state_dict() != a.engine.state_dict()
+    restore_run_state(b, tmp_path)
+    assert b.engine.state_dict() == a.engine.state_dict() != {}
+    assert engine_state({"step": 0, "tuner": {"rewards": []}}) == {"tuner": {"rewards": []}}
+    assert engine_state({"step": 0, "engine": {"tuner": 1}}) == {"tuner": 1} and engine_state({"step": 0}) == {}

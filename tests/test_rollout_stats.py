@@ -87,16 +87,14 @@ def test_merge_adds_counters_and_keeps_the_longest_times():
 
 
 def test_vllm_reply_becomes_rollout_stats():
-    """The vLLM backend's reply -> RolloutStats (no vLLM needed: `_batch` is pure)."""
-    from tlt.rollout.vllm_backend import VllmRolloutEngine
+    """The vLLM backend's reply -> RolloutStats (no vLLM needed: `reply_batch` is pure)."""
+    from tlt.rollout.vllm_reply import reply_batch
 
-    eng = object.__new__(VllmRolloutEngine)
-    eng.k, eng.method = 3, "eagle3"
     seqs = [{"ids": [4, 5, 6, 7], "logprobs": [0.0] * 4, "finish": "stop",
              "spec": {"drafts": 2, "draft_tokens": 6, "accepted": 1, "accepted_pos": [1]}},
             {"ids": [4, 5], "logprobs": [0.0] * 2, "finish": "length", "spec": None}]
     reply = {"seqs": seqs, "tail_time_s": 0.1, "steps": 5, "counters": {"drafts": 2}, "time_s": 0.4}
-    out = eng._batch([[1], [2]], 1, reply, wall_s=0.5)
+    out = reply_batch([[1], [2]], 1, reply, wall_s=0.5, depth=3)
     s = out.stats
     assert isinstance(s, RolloutStats) and s.spec_row_passes == 2 and s.spec_tokens == 3 and s.tokens == 6
     assert s.accepted_pos == [1, 0, 0] and s.drafted_pos == [2, 2, 2] and s.vllm == {"drafts": 2, "time_s": 0.4}

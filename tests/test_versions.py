@@ -103,7 +103,7 @@ def test_resume_bumps_policy_and_drafter(tmp_path):
     refresher = _refresher(model)
     sampler = SimpleNamespace(state=lambda: {}, load_state=lambda s: None)
     ctx = SimpleNamespace(model=model, updater=TorchUpdater(model, RLConfig(), TrainerConfig()), sampler=sampler,
-                          engine=SimpleNamespace(tuner=None), refresher=refresher)
+                          engine=SimpleNamespace(state_dict=dict, load_state_dict=lambda s: None), refresher=refresher)
     save_run_state(ctx, 0, tmp_path, keep=1)
     assert version_of(model) == version_of(refresher.drafter) == 0
     assert restore_run_state(ctx, tmp_path)["step"] == 0

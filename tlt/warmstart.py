@@ -55,9 +55,9 @@ def fingerprint(model, prompts: list[list[int]], *texts: str) -> str:
 def heldout_accept(engine, heldout_prompts: list[list[int]], cfg, temperature: float) -> AcceptReport:
     """The run's reported accept length ("held-out accept length"): the engine decodes the first
     `drafter.warmstart_eval_prompts` held-out prompts with the tuner off and the fixed
-    `drafter.eval_strategy` chain, `drafter.eval_max_new_tokens` each (engine.measure_accept), so
-    the figure depends on the drafter only. It is what warmstart/accept_len_*, eval/accept_len*
-    and a registered drafter's accept_len tag hold; the live rollout counter
+    `drafter.eval_strategy` chain, `drafter.eval_max_new_tokens` each (measure_accept, in the
+    engine's `fixed_strategy` block), so the figure depends on the drafter only. It is what
+    warmstart/accept_len_*, eval/accept_len* and a registered drafter's accept_len tag hold; the live rollout counter
     spec/accept_len/mean (whatever strategy the tuner picked, at the rollout's batch sizes) is not it."""
     d = cfg.drafter
     return measure_accept(engine, heldout_prompts[: d.warmstart_eval_prompts], temperature=temperature,

@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Callable, Iterator
 
 import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from tlt.cluster.placement import RayPlacement
-from tlt.config import RolloutConfig
+from tlt.config import RolloutConfig, SpecStrategy
 from tlt.device import to_cpu
 from tlt.drafter.model import Eagle3Drafter
 from tlt.faults import fault
+from tlt.rollout.capabilities import Capabilities, check_fixed_strategy
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.tuner import StrategyTuner
@@ -84,6 +87,10 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def capabilities(self) -> Capabilities:
+        """This actor's engine's (the pool reports them, less what stays in the actors)."""
+        return self.engine.capabilities
+
 
 class RayRolloutPool:
     """`cluster.rollout_actors` rollout actors in the run's placement group (bundles 0..n-1)."""
@@ -92,8 +99,7 @@ class RayRolloutPool:
                  drafter=None, seed: int = 0):
         self.cfg, self.placement = cfg, placement
         self.n = placement.cfg.rollout_actors
-        self.tuner = None  # each actor keeps its own bandit (not part of run checkpoints)
-        self.history = None  # and its own n-gram prompt history
+        self._caps: Capabilities | None = None  # the actors' engines', asked once
         self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
         self.version, self.rollout_version, self.rollout_drafter_version, self.restarts = -1, -1, 0, 0
         self._synced, self._ref = None, None
@@ -153,6 +159,29 @@ class RayRolloutPool:
     def sleep(self) -> dict[str, float]:
         """Nothing to hand to the update: torch actors keep their weights (vLLM actors: vllm_actor.py)."""
         return {}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The actors' engines' (asked of actor 0 once), less `fixed_strategy` and checkpointed state,
+        which stay in the actors; `on_tail` fires at the first actor's tail or the first shard back."""
+        if self._caps is None:
+            caps = ray.get(self.actors[0].capabilities.remote())
+            self._caps = replace(caps, name=f"the Ray rollout pool (actors: {caps.name})", fixed_strategy=False,
+                                 checkpoint="")
+        return self._caps
+
+    def state_dict(self) -> dict:
+        """{}: each actor keeps its own bandit, which run checkpoints do not hold."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (`state_dict` is empty); a saved bandit is ignored."""
+
+    @contextmanager
+    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
+        """Not here: raises EngineCapabilityError (each actor keeps its own config and bandit)."""
+        check_fixed_strategy(self.capabilities, strategy)
+        yield
 
     def _submit(self, rank: int, shard: tuple):
         return self.actors[rank].generate.remote(*shard)

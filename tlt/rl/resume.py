@@ -24,14 +24,16 @@ def _crash_point(write, step: int):
 
 
 def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None) -> Path:
-    """Checkpoint after RL step `step`: policy + optimizer, sampler cursor, RNG states, tuner state,
-    the drafter refresher's `state_dict()` (trainable weights, optimizer, buffer, RNG), `extra` (e.g. the
-    step's metrics, which the pipeline logs after the save: see `checkpoint_metrics`)."""
+    """Checkpoint after RL step `step`: policy + optimizer, sampler cursor, RNG states, the engine's
+    `state_dict()` under "engine" (its bandit, where it holds one), the drafter refresher's
+    `state_dict()` (trainable weights, optimizer, buffer, RNG), `extra` (e.g. the step's metrics,
+    which the pipeline logs after the save: see `checkpoint_metrics`)."""
     tensors = {"policy": ctx.model.state_dict()}
     blobs = {"policy_optim": _crash_point(torch_blob(ctx.updater.state_dict()), step)}
     state = {"step": step, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
-    if ctx.engine.tuner is not None:
-        state["tuner"] = ctx.engine.tuner.state()
+    engine = ctx.engine.state_dict()
+    if engine:
+        state["engine"] = engine
     if ctx.refresher is not None:  # its weights where `tlt export` reads them, the rest (optimizer, buffer...) whole
         refresher = ctx.refresher.state_dict()
         tensors["drafter"] = refresher.pop("drafter")
@@ -55,12 +57,19 @@ def restore_run_state(ctx, root: Path) -> dict | None:
     bump(ctx.model)  # the refresher's load bumps the drafter
     ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
     ctx.sampler.load_state(state["sampler"])
-    if ctx.engine.tuner is not None and "tuner" in state:
-        ctx.engine.tuner.load_state(state["tuner"])
+    ctx.engine.load_state_dict(engine_state(state))
     if ctx.refresher is not None and "refresher" in pts:
         ctx.refresher.load_state_dict({"drafter": tensors["drafter"], **load_pt(pts["refresher"])})
     restore_rng(state["rng"])
     return state
+
+
+def engine_state(state: dict) -> dict:
+    """The engine's part of a checkpoint's state (`Engine.load_state_dict`'s input): its "engine" entry,
+    else a top-level "tuner" (the bandit's state where older checkpoints keep it), else {}."""
+    if "engine" in state:
+        return state["engine"]
+    return {"tuner": state["tuner"]} if "tuner" in state else {}
 
 
 def checkpoint_metrics(state: dict | None) -> tuple[int, dict[str, float]] | None:

@@ -11,14 +11,16 @@ Finished sequences leave the batch (their cache rows are dropped).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
 from tlt.rollout.calibrate import Calibrator
+from tlt.rollout.capabilities import Capabilities, check_fixed_strategy, fixed_config, swapped, torch_capabilities
 from tlt.rollout.guard import SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
 from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
@@ -26,6 +28,9 @@ from tlt.rollout.spec import spec_round
 from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
 from tlt.rollout.weights import RolloutCopy
 from tlt.versions import Synced
+
+if TYPE_CHECKING:
+    from tlt.rl.protocols import Engine
 
 
 class RolloutEngine:
@@ -163,6 +168,32 @@ class RolloutEngine:
     def sleep(self) -> dict[str, float]:
         """Nothing to hand to the update: this engine decodes with the policy's own memory."""
         return {}
+
+    # ---- the rest of the Engine contract ---------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        """Every strategy (trees, n-gram arms), per-call SD, the tail switch; the tuner if given one."""
+        return torch_capabilities(self.cfg, self.tuner is not None)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this engine: {"tuner": the bandit's state} ({} without a tuner)."""
+        return {"tuner": self.tuner.state()} if self.tuner is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output; a saved bandit is ignored by an engine built without one."""
+        if self.tuner is not None and "tuner" in state:
+            self.tuner.load_state(state["tuner"])
+
+    @contextmanager
+    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
+        """Within the block, every `generate` of up to `batch_size` prompts speculates with `strategy` on
+        every step: tuner off, no spec guard, no patience, no confidence pruning, and a fresh, empty
+        prompt history (n-gram strategies see no earlier answers, which are not kept). Config, tuner
+        and history are back afterwards. Raises EngineCapabilityError for the plain arm."""
+        check_fixed_strategy(self.capabilities, strategy)
+        fresh = PromptHistory(self.history.per_prompt, self.history.max_prompts)
+        with swapped(self, cfg=fixed_config(self.cfg, strategy, batch_size), tuner=None, history=fresh):
+            yield
 
     # ---- steps ---------------------------------------------------------------------------
     def _decode(self, st: DecodeState, opts, gen, outs, use_spec: bool, threshold: int, on_tail) -> None:
@@ -311,7 +342,7 @@ class AcceptReport:
     responses: list[list[int]]
 
 
-def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature: float = 0.0,
+def measure_accept(engine: Engine, prompts: list[list[int]], temperature: float = 0.0,
                    max_new_tokens: int = 48, strategy: SpecStrategy | None = None,
                    batch_size: int = 8) -> AcceptReport:
     """Accept length with the tuner OFF and one fixed, named strategy (default: a depth-4 chain).
@@ -319,38 +350,27 @@ def measure_accept(engine: RolloutEngine, prompts: list[list[int]], temperature:
     Every round of every prompt is a speculative round of `strategy` (threshold >= batch, no
     patience, no confidence pruning, no spec guard), so the number depends on the drafter and the prompts only,
     not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
-    per-row accept length does not depend on the batch); the engine's config, tuner and prompt
-    history are restored afterwards (an n-gram strategy sees no earlier answers of the prompts).
+    per-row accept length does not depend on the batch). Runs inside `engine.fixed_strategy`, which
+    leaves the engine as it was (an n-gram strategy sees no earlier answers of the prompts); an
+    engine that cannot run it raises `EngineCapabilityError` with the reason.
     `responses` are the outputs (greedy SD is lossless: the target's own).
     """
     strategy = strategy or SpecStrategy(depth=4, topk=1, tokens=4)
     if strategy.plain:
         raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
-    old_cfg, old_tuner = engine.cfg, engine.tuner
-    old_history = engine.history  # engines without n-gram drafts (vLLM) keep none
-    if old_history is not None:
-        engine.history = type(old_history)(old_history.per_prompt, old_history.max_prompts)  # no earlier answers
-    engine.cfg = old_cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0, "guard_patience": 0,
-                                            "strategy": strategy, "draft_min_prob": 0.0,
-                                            "draft_stop_below": 0.0})
-    engine.tuner = None
     tokens = passes = 0
     responses: list[list[int]] = []
-    try:
+    with engine.fixed_strategy(strategy, batch_size):
         for i in range(0, len(prompts), batch_size):
             out = engine.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
                                   seed=i, spec=True)
             tokens += out.stats.spec_tokens
             passes += out.stats.spec_row_passes
             responses += [list(r) for r in out.response_ids]
-    finally:
-        engine.cfg, engine.tuner = old_cfg, old_tuner
-        if old_history is not None:
-            engine.history = old_history
     return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)
 
 
-def accept_length(engine: RolloutEngine, prompts: list[list[int]], temperature: float = 0.0,
+def accept_length(engine: Engine, prompts: list[list[int]], temperature: float = 0.0,
                   max_new_tokens: int = 48, strategy: SpecStrategy | None = None, batch_size: int = 8) -> float:
     """`measure_accept(...).accept_len`: mean tokens per verify pass, tuner off, fixed strategy."""
     return measure_accept(engine, prompts, temperature, max_new_tokens, strategy, batch_size).accept_len

