@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tlt.versions import bump
+
 from test_vllm_backend import EOS, K, MAX_NEW, VLLM_PY, _few_long, _prompts, _rollout_cfg, _tied_target
 
 pytestmark = [
@@ -63,6 +65,7 @@ def test_probe_catches_a_corrupted_drafter_export(setup, monkeypatch, how):
     assert engine.probe_metrics["spec/probe_error"] < 1e-4  # at start: the exported drafter, fp32
     with torch.no_grad():
         drafter.lm_head.weight.add_(0.01)  # a new drafter (a refresh), so that sync sends it
+    bump(drafter)  # as a refresh does: the engines sync by version
     monkeypatch.setattr(vllm_backend, "export_eagle3", _corrupting(vllm_backend.export_eagle3, how))
     with pytest.raises(DrafterMismatch, match="not the one just exported"):
         engine.sync()
@@ -116,6 +119,7 @@ def test_guard_trips_on_a_useless_drafter_and_rearms(setup):
     try:
         with torch.no_grad():
             drafter.lm_head.weight.zero_()
+        bump(drafter)
         outs = []
         while not engine.guard.off[1] and len(outs) < 6:
             outs.append(engine.generate(prompts, temperature=0.0))
@@ -126,6 +130,7 @@ def test_guard_trips_on_a_useless_drafter_and_rearms(setup):
         assert sum(d for n, d in off.stats.vllm["trace"] if n == 2) == 0  # nothing drafted at batch size 2
         with torch.no_grad():
             drafter.lm_head.weight.copy_(head)  # a new drafter: synced, probed, the guard re-armed
+        bump(drafter)
         again = engine.generate(prompts, temperature=0.0)
         assert again.stats.spec_row_passes > 0 and rollout_metrics(again)["spec/guard_tripped"] == 0.0
     finally:
