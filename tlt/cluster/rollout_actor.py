@@ -15,20 +15,19 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable
 
 import ray
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from tlt.cluster.placement import RayPlacement
-from tlt.config import RolloutConfig, SpecStrategy
+from tlt.config import RolloutConfig
 from tlt.device import to_cpu
 from tlt.drafter.model import Eagle3Drafter
 from tlt.faults import fault
-from tlt.rollout.capabilities import Capabilities, check_fixed_strategy
+from tlt.rollout.capabilities import Capabilities, PerWorkerState
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.tuner import StrategyTuner
@@ -92,7 +91,7 @@ class RolloutActor:
         return self.engine.capabilities
 
 
-class RayRolloutPool:
+class RayRolloutPool(PerWorkerState):
     """`cluster.rollout_actors` rollout actors in the run's placement group (bundles 0..n-1)."""
 
     def __init__(self, placement: RayPlacement, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int,
@@ -169,19 +168,6 @@ class RayRolloutPool:
             self._caps = replace(caps, name=f"the Ray rollout pool (actors: {caps.name})", fixed_strategy=False,
                                  checkpoint="")
         return self._caps
-
-    def state_dict(self) -> dict:
-        """{}: each actor keeps its own bandit, which run checkpoints do not hold."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore (`state_dict` is empty); a saved bandit is ignored."""
-
-    @contextmanager
-    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
-        """Not here: raises EngineCapabilityError (each actor keeps its own config and bandit)."""
-        check_fixed_strategy(self.capabilities, strategy)
-        yield
 
     def _submit(self, rank: int, shard: tuple):
         return self.actors[rank].generate.remote(*shard)

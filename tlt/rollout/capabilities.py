@@ -120,3 +120,34 @@ def swapped(obj, **attrs):
     finally:
         for k, v in old.items():
             setattr(obj, k, v)
+
+
+class TunerState:
+    """`state_dict` / `load_state_dict` of an engine whose checkpointed state is its bandit (`self.tuner`,
+    None without one): the torch engine and vLLM."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this engine: {"tuner": the bandit's state} ({} without a tuner)."""
+        return {"tuner": self.tuner.state()} if self.tuner is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output; a saved bandit is ignored by an engine built without one."""
+        if self.tuner is not None and "tuner" in state:
+            self.tuner.load_state(state["tuner"])
+
+
+class PerWorkerState:
+    """The pools' side of the contract (worker pool, Ray pools): each worker keeps its own config and
+    bandit, which run checkpoints do not hold, and a fixed-strategy measurement is refused."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (`state_dict` is empty); a saved bandit is ignored."""
+
+    @contextmanager
+    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8):
+        """Not here: raises EngineCapabilityError."""
+        check_fixed_strategy(self.capabilities, strategy)
+        yield

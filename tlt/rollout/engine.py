@@ -20,7 +20,8 @@ import torch
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
 from tlt.rollout.calibrate import Calibrator
-from tlt.rollout.capabilities import Capabilities, check_fixed_strategy, fixed_config, swapped, torch_capabilities
+from tlt.rollout.capabilities import (Capabilities, TunerState, check_fixed_strategy, fixed_config, swapped,
+                                      torch_capabilities)
 from tlt.rollout.guard import SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
 from tlt.rollout.ngram import NgramDrafter, PromptHistory
 from tlt.rollout.sampling import sample, token_logprobs
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
     from tlt.rl.protocols import Engine
 
 
-class RolloutEngine:
+class RolloutEngine(TunerState):
     """Generate responses with an HF causal LM; speculative in the tail when a drafter is available.
 
     drafter: an `Eagle3Drafter` (tlt.drafter.model) or None; None or `cfg.drafter == "ngram"`
@@ -174,15 +175,6 @@ class RolloutEngine:
     def capabilities(self) -> Capabilities:
         """Every strategy (trees, n-gram arms), per-call SD, the tail switch; the tuner if given one."""
         return torch_capabilities(self.cfg, self.tuner is not None)
-
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of this engine: {"tuner": the bandit's state} ({} without a tuner)."""
-        return {"tuner": self.tuner.state()} if self.tuner is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`'s output; a saved bandit is ignored by an engine built without one."""
-        if self.tuner is not None and "tuner" in state:
-            self.tuner.load_state(state["tuner"])
 
     @contextmanager
     def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:

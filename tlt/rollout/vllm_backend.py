@@ -60,7 +60,7 @@ from safetensors.torch import load_file, save_file
 from tlt.config import SpecStrategy
 from tlt.errors import UserError
 from tlt.export import export_eagle3
-from tlt.rollout.capabilities import (Capabilities, check_fixed_strategy, check_spec, fixed_config, swapped,
+from tlt.rollout.capabilities import (Capabilities, TunerState, check_fixed_strategy, check_spec, fixed_config, swapped,
                                       vllm_capabilities)
 from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
 from tlt.rollout.state import RolloutBatch
@@ -132,7 +132,7 @@ def _shutdown(proc: subprocess.Popen, work: Path, timeout: float = 60.0) -> None
     shutil.rmtree(work, ignore_errors=True)
 
 
-class VllmRolloutEngine:
+class VllmRolloutEngine(TunerState):
     """`generate(...) -> RolloutBatch` like `RolloutEngine`, decoded by vLLM in a worker process.
 
     model: the HF policy (the one the RL update trains); drafter: an `Eagle3Drafter` or None.
@@ -278,15 +278,6 @@ class VllmRolloutEngine:
     def capabilities(self) -> Capabilities:
         """Chains of depth <= the built one from its one source; no trees; sampled SD per build."""
         return vllm_capabilities(self.method, self.k, self.sampled_sd, self.tuner is not None)
-
-    def state_dict(self) -> dict:
-        """What a checkpoint keeps of this engine: {"tuner": the per-tier bandit's state} ({} without one)."""
-        return {"tuner": self.tuner.state()} if self.tuner is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`'s output; a saved bandit is ignored by an engine built without one."""
-        if self.tuner is not None and "tuner" in state:
-            self.tuner.load_state(state["tuner"])
 
     @contextmanager
     def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:

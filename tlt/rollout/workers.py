@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import queue
 import time
-from contextlib import contextmanager
 from dataclasses import replace
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
 
-from tlt.config import SpecStrategy
-from tlt.rollout.capabilities import Capabilities, check_fixed_strategy, torch_capabilities
+from tlt.rollout.capabilities import Capabilities, PerWorkerState, torch_capabilities
 from tlt.rollout.state import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 from tlt.versions import Synced, bump, version_of
@@ -99,7 +97,7 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
         res.put((rank, "done", (batch, time.perf_counter() - t0)))
 
 
-class WorkerPool:
+class WorkerPool(PerWorkerState):
     """`rollout.workers` engine processes over shared-memory policy/drafter weights."""
 
     def __init__(self, model, cfg, eos_ids: list[int], pad_id: int, n_workers: int, drafter=None,
@@ -144,19 +142,6 @@ class WorkerPool:
         and checkpointed state, which stay in the workers; `on_tail` fires when the first shard is back."""
         return replace(torch_capabilities(self.cfg, self.cfg.tuner, "the worker pool"), fixed_strategy=False,
                        checkpoint="")
-
-    def state_dict(self) -> dict:
-        """{}: each worker keeps its own bandit, which run checkpoints do not hold."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore (`state_dict` is empty); a saved bandit is ignored."""
-
-    @contextmanager
-    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
-        """Not here: raises EngineCapabilityError (each worker keeps its own config and bandit)."""
-        check_fixed_strategy(self.capabilities, strategy)
-        yield
 
     def _versions(self) -> dict[str, int]:
         return {"policy": version_of(self._model), "drafter": version_of(self._drafter)}
