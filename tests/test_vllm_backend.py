@@ -356,7 +356,9 @@ def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
         # The policy changed in the step (lr 1e-4) and generate_greedy decodes through vLLM.
         assert pipe.generate_greedy(prompts, 8) == [
             [t for t in r if t not in pipe.eos_ids] for r in _torch_greedy(pipe.model, prompts, 8, pipe.eos_ids).response_ids]
-        assert pipe.evaluate(1).accuracy >= 0.0
+        ev = pipe.evaluate(1)  # every held-out prompt decoded through vLLM, scored, and counted once
+        assert ev.n == len(ev.records) == len(prompts)
+        assert ev.accuracy == sum(r["reward"] >= 1.0 for r in ev.records) / ev.n
     finally:
         pipe.close()
 
