@@ -38,16 +38,13 @@ import torch.multiprocessing as mp
 from tlt.checkpoint import load_checkpoint, load_pt, newest_verified, save_checkpoint, torch_blob
 from tlt.config import DrafterConfig
 from tlt.device import to_cpu
-from tlt.drafter.buffer import DraftBuffer
 from tlt.drafter.model import Eagle3Drafter
-from tlt.drafter.schedule import RefreshSchedule
-from tlt.drafter.train import DrafterTrainer, prompt_weight
+from tlt.drafter.online import OnlineRefresher, mean_losses
+from tlt.drafter.train import DrafterTrainer
 from tlt.faults import fault
 from tlt.versions import Synced, bump
 
 log = logging.getLogger(__name__)
-
-_METRICS = ("drafter/loss", "drafter/loss_feature", "drafter/loss_token", "drafter/top1_acc")
 
 
 class _CheckpointWriter:
@@ -126,25 +123,21 @@ def _train_until_stop(trainer, drafter, batches, state, stop, progress, writer, 
            "drafter/checkpoint_ms": 1000 * (time.perf_counter() - t1), "drafter/num_steps": float(trainer.num_steps)}
     if writer.last_ms:
         out["drafter/checkpoint_write_ms"] = writer.last_ms
-    for key in _METRICS:
-        vals = [h[key] for h in history if key in h]
-        if vals:
-            out[key] = sum(vals) / len(vals)
-    return out
+    return {**out, **mean_losses(history)}
 
 
 class SpotWorkerDied(RuntimeError):
     """The spot trainer's process ended without being asked to (preempted, killed, crashed)."""
 
 
-class SpotTrainer:
+class SpotTrainer(OnlineRefresher):
     """Main-process handle: owns the buffer, feeds the worker, starts/stops it around the tail,
     and restarts it from its last checkpoint when it dies."""
 
     def __init__(self, model, drafter, cfg, threads: int = 1, seed: int = 0, checkpoint_dir: Path | str | None = None):
-        self.drafter, self.cfg, self.threads = drafter, cfg, threads
-        self.buffer = DraftBuffer(cfg.buffer_steps, cfg.buffer_max_tokens, prompt_weight(cfg))
-        self.rng = torch.Generator().manual_seed(seed)
+        on_cpu = next(drafter.parameters()).device.type == "cpu"  # decoding shares the cores the worker takes
+        super().__init__(drafter, cfg, seed, cpus=(os.cpu_count() or 1) if on_cpu else 0)
+        self.threads = threads
         self._model = model
         self._embed = model.get_input_embeddings().weight.detach().to("cpu", copy=True).share_memory_()  # CPU worker
         head = model.get_output_embeddings()
@@ -155,9 +148,7 @@ class SpotTrainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self._clear_checkpoints()
         self._ctx = mp.get_context("spawn")
-        self.total_steps, self._running, self._t_tail = 0, False, 0.0
-        on_cpu = next(drafter.parameters()).device.type == "cpu"  # decoding shares the cores the worker takes
-        self.schedule = RefreshSchedule(cfg, cpus=(os.cpu_count() or 1) if on_cpu else 0)
+        self._running, self._t_tail = False, 0.0
         self.weights_step = 0  # drafter optimizer steps behind self.drafter's weights
         self._optim: dict | None = None  # the optimizer state last loaded into the worker
         self.preemptions = self.corrupt_checkpoints = 0
@@ -179,14 +170,6 @@ class SpotTrainer:
         """Drafter checkpoints of another timeline (before a resume) must never be restored."""
         if self.checkpoint_dir is not None:
             shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
-
-    @property
-    def aux_layer_ids(self) -> list[int]:
-        return self.drafter.aux_layer_ids
-
-    def add_rollouts(self, step: int, ids, attn, resp, aux, last_hidden) -> None:
-        """Rows of the old-log-prob forward [B,T,...] (right padded) -> buffer samples."""
-        self.buffer.add_rows(step, ids, attn, resp, aux, last_hidden)
 
     def sync_policy(self) -> None:
         """Copy the target embedding / head into the shared tensors the worker reads, when the
@@ -324,17 +307,12 @@ class SpotTrainer:
     def state_dict(self) -> dict:
         """Drafter weights, the worker's optimizer, buffer, RNG, step count and schedule."""
         optim = self.optimizer_state()
-        buffer, buffer_meta = self.buffer.state_dict()
         return {"drafter": self.drafter.state_dict(), "optimizer": optim["optimizer"], "num_steps": optim["num_steps"],
-                "buffer": buffer, "buffer_meta": buffer_meta, "rng": self.rng.get_state(),
-                "total_steps": self.total_steps, "schedule": self.schedule.state_dict()}
+                **self.online_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.load(state["drafter"], {"optimizer": state["optimizer"], "num_steps": state["num_steps"]})
-        self.buffer.load_state_dict(state["buffer"], state["buffer_meta"])
-        self.rng.set_state(state["rng"])
-        self.total_steps = state["total_steps"]
-        self.schedule.load_state_dict(state["schedule"])
+        self.load_online_state(state)
 
     def load(self, drafter_state: dict, optim_state: dict | None) -> None:
         """Weights (and optimizer) from elsewhere, e.g. the warm-start: a new timeline of checkpoints."""
