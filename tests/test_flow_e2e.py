@@ -77,7 +77,7 @@ def test_every_stage_tracked(runs):
     assert check_export(result["export"]["path"], target.config) == []
     assert result["export"]["version"] is not None
     ckpts = sorted((runs["tmp"] / "runs" / rid / "checkpoints").glob("step-*"))
-    assert ckpts[-1].name == f"step-{cfg.rl.steps - 1:06d}"
+    assert ckpts[-1].name == f"step-{cfg.rl.steps:06d}"  # counted from 1, like the RL steps
 
 
 def test_plain_run_has_no_speculation(runs):
