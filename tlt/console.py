@@ -10,7 +10,10 @@ rollout's time only (`rollout/tokens_per_s`), *step tokens/s* the whole RL step'
 """
 from __future__ import annotations
 
+import os
 from collections import Counter
+
+from tlt import tracking
 
 # The metrics these lines read (tlt compare and `tlt run` fetch them from MLflow).
 DRAFTER_KEYS = ("drafter/refresh_decision", "drafter/payoff_s", "drafter/spot_steps", "drafter/steps",
@@ -129,3 +132,46 @@ def _category(reason: str) -> str:
     if reason.startswith("live accept length"):
         return "live accept length above the bound"
     return reason
+
+
+def starting_line(cfg, resume: str | None) -> str:
+    """`tlt run`'s line before the flow starts (Prefect's temporary server takes seconds to come up)."""
+    api = os.environ.get("PREFECT_API_URL")
+    prefect = f"the Prefect server at {api}" if api else "Prefect's temporary local server (~10-20 s)"
+    what = f"resuming MLflow run {resume}" if resume else f"a new MLflow run in experiment '{cfg.tracking.experiment}'"
+    return f"starting {prefect}, then {what} in {tracking.default_tracking_uri(cfg.tracking.tracking_uri)}"
+
+
+def final_line(ev: dict, ex: dict | None) -> str:
+    """The final evaluation (an EvalSummary's fields) and the export, in the project's vocabulary."""
+    line = f"held-out accuracy {ev['accuracy']:.3f} after RL step {ev['step']} ({ev['n']} prompts)"
+    if ev.get("accept_len"):
+        line += f", held-out accept length (fixed chain) greedy {ev['accept_len']:.2f}"
+        if ev.get("accept_len_sampled"):
+            line += f", sampled {ev['accept_len_sampled']:.2f}"
+    if ex:
+        line += f"; drafter exported to {ex['path']}" + (f" (tlt-drafter version {ex['version']})"
+                                                           if ex.get("version") else "")
+    return line
+
+
+def closing_lines(result: dict, cfg) -> list[str]:
+    """`tlt run`'s last lines: the final evaluation and export, what the drafter's refresh schedule
+    did (read back from the run's metrics, so a resumed run counts its earlier steps too), and where
+    the run is."""
+    lines = [final_line(result["eval"], result.get("export"))]
+    run_id, uri = result["run_id"], cfg.tracking.tracking_uri
+    if cfg.rollout.drafter == "eagle":
+        try:
+            history = rows_by_step(tracking.metric_histories(run_id, list(DRAFTER_KEYS), uri))
+        except Exception as exc:  # noqa: BLE001 - an outage costs this line only (the run itself is done)
+            if not tracking.is_transient(exc):
+                raise
+            history = []
+        if summary := refresh_summary(history, cfg.drafter):
+            lines.append(summary)
+    link = tracking.run_link(run_id, uri)
+    where = f"open {link}" if link else f"open the experiment '{cfg.tracking.experiment}'"
+    local = not tracking.default_tracking_uri(uri).startswith(("http://", "https://"))
+    lines.append(f"done: MLflow run {run_id}  ({'make ui, then ' if local else ''}{where})")
+    return lines
