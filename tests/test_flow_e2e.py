@@ -99,7 +99,8 @@ def test_compare_two_real_runs(runs, tmp_path):
     ids = [r["run_id"] for r in runs["results"]]
     df = compare_runs(ids, runs["uri"])
     assert list(df["run_id"]) == ids
-    assert df["accept_len"].iloc[0] >= 1.0 and df["steps"].tolist() == [2, 2]
+    assert df["accept_len_live"].iloc[0] >= 1.0 and df["accept_len_heldout"].iloc[0] >= 1.0
+    assert df["steps"].tolist() == [2, 2] and df["refreshes"].iloc[0] >= 1  # smoke: every_k, spot
     out = _tlt("compare", *ids, "--out", str(tmp_path / "cmp.png"), env_uri=runs["uri"])
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "cmp.png").stat().st_size > 1000 and "smoke" in out.stdout

@@ -19,6 +19,8 @@ from tlt import tracking
 DRAFTER_KEYS = ("drafter/refresh_decision", "drafter/payoff_s", "drafter/spot_steps", "drafter/steps",
                 "spec/accept_len/mean")
 
+EMPTY_TAIL = "due, trained 0 steps (empty buffer or no tail)"
+
 
 def trained_steps(m: dict, prev: dict | None) -> int | None:
     """Drafter optimizer steps taken in this RL step: the spot trainer's count of this tail, else the
@@ -58,7 +60,7 @@ def drafter_note(m: dict, prev: dict | None, drafter) -> str:
     n = trained_steps(m, prev)
     if m["drafter/refresh_decision"] > 0:
         if n == 0:
-            return "due, trained 0 steps (empty buffer or no tail)"
+            return EMPTY_TAIL
         return "trained" + (f" {n} steps" if n is not None else "")
     return f"skipped ({skip_reason(m, prev, drafter)})"
 
@@ -114,7 +116,7 @@ def refresh_summary(history: list[dict], drafter) -> str:
             done.append(m["step"])
             steps += n or 0
         else:
-            reason = drafter_note(m, prev, drafter).removeprefix("skipped (").removesuffix(")")
+            reason = EMPTY_TAIL if m["drafter/refresh_decision"] > 0 else skip_reason(m, prev, drafter)
             skipped[_category(reason)] += 1
     line = f"drafter refreshes: {len(done)} of {len(rows)} RL steps (schedule {drafter.schedule}"
     line += f", {drafter.where})" if drafter.schedule != "frozen" else ")"
