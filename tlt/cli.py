@@ -21,21 +21,19 @@ from rich.console import Console
 
 from tlt import tracking
 from tlt.config import dump_yaml, load_config, reference_markdown
-from tlt.errors import UserError, exception_chain
+from tlt.cli_bench import bench_app
+from tlt.cli_help import HELP, plain_arguments
 from tlt.console import closing_lines, starting_line
+from tlt.errors import UserError, exception_chain
 from tlt.inputs import (check_data_file, check_empty_target, check_prompts, check_run_inputs, finished_run,
                         resolve_run_id)
 from tlt.provenance import version_line
 from tlt.services import run_uis
 
-# Plain help (click's formatter): it shows each option's metavar (KEY=VALUE, RUN_ID), where typer's
-# rich panels print the Python type instead (<list[str]>, <bool>).
-HELP = {"no_args_is_help": True, "rich_markup_mode": None}
 app = typer.Typer(add_completion=False, help="TLT: RL with speculative rollout and an adaptive drafter.", **HELP)
 config_app = typer.Typer(help="Check and show run configs.", **HELP)
 data_app = typer.Typer(help="Validate datasets.", **HELP)
 drafter_app = typer.Typer(help="Drafter warm-start.", **HELP)
-bench_app = typer.Typer(help="Benchmarks (ratios measured in one run).", **HELP)
 tracking_app = typer.Typer(help="The MLflow store: send what an outage left unsent.", **HELP)
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
@@ -95,6 +93,13 @@ def config_check(files: list[Path] = typer.Argument(..., metavar="CONFIG...", sh
         inputs = check_prompts(cfg, strict=False)
         out.print(f"ok: {file} is valid (model {cfg.model.name_or_path}, {cfg.rl.steps} RL steps{where}); {inputs}",
                   highlight=False)
+
+
+@config_app.command("show")
+def config_show(file: Optional[Path] = typer.Argument(None, metavar="CONFIG", show_default=False),
+                set_: Optional[list[str]] = SetOpt) -> None:
+    """Print the resolved config (defaults filled in) as YAML."""
+    out.print(dump_yaml(_load(file, set_)), markup=False)
 
 
 @config_app.command("reference")
@@ -262,45 +267,6 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
         pipe.close()
 
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-BENCH_HELPERS = {"harness", "render", "trl_grpo"}  # bench/ modules that are not suites
-
-
-def bench_suites() -> dict[str, str]:
-    """Suite name -> its one-line description: every bench/*.py with a main(), helpers excepted."""
-    import ast
-
-    out = {}
-    for path in sorted(BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []:
-        if path.stem in BENCH_HELPERS:
-            continue
-        tree = ast.parse(path.read_text())
-        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            out[path.stem] = (ast.get_docstring(tree) or "").strip().splitlines()[0] if ast.get_docstring(tree) else ""
-    return out
-
-
-@bench_app.command("list")
-def bench_list() -> None:
-    """The benchmark suites; run one with `tlt bench SUITE CONFIG ...` (`tlt bench SUITE --help` lists its options)."""
-    for name, doc in bench_suites().items():
-        out.print(f"{name:<14} {doc}", highlight=False, markup=False)
-
-
-def _bench_command(name: str):
-    def command(ctx: typer.Context) -> None:
-        _env_defaults()
-        sys.path.insert(0, str(BENCH_DIR))
-        harness = importlib.import_module("harness")  # deferred: numpy, and the suites pull in torch
-        harness.load(name).main(list(ctx.args))
-    return command
-
-
-for _name, _doc in bench_suites().items():  # `tlt bench SUITE ARGS...` passes ARGS to bench/SUITE.py's parser
-    bench_app.command(_name, help=f"{_doc} (options: tlt bench {_name} --help)", add_help_option=False,
-                      context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_bench_command(_name))
-
-
 @app.command("export")
 def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id of a tlt-train run"),
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run's checkpoint (or run) folder"),
@@ -389,29 +355,9 @@ def ui(prefect_port: int = typer.Option(4200, metavar="PORT"), mlflow_port: int 
     run_uis(host, prefect_port, mlflow_port)
 
 
-class _PlainArgument(typer.core.TyperArgument):
-    """An argument shown by its metavar alone: CONFIG in the usage line (typer writes {CONFIG}), and
-    no Python type beside it in the help (typer writes CONFIG <path>)."""
-
-    def _usage_display_name(self) -> str:
-        name = self.display_name_raw + ("..." if self.nargs != 1 and not self.display_name_raw.endswith("...") else "")
-        return name if self.required else f"[{name}]"
-
-    def display_type_rich(self, ctx) -> str | None:
-        return None
-
-
-def _plain_arguments(command) -> None:
-    for param in command.params:
-        if type(param) is typer.core.TyperArgument:
-            param.__class__ = _PlainArgument
-    for sub in getattr(command, "commands", {}).values():
-        _plain_arguments(sub)
-
-
 def main() -> None:
     command = typer.main.get_command(app)
-    _plain_arguments(command)
+    plain_arguments(command)
     try:
         rc = command(standalone_mode=False)  # returns Exit codes instead of raising in this mode
         if rc in (130, 143):  # interrupted (Prefect turns SIGTERM into a crashed flow run, then 130)
