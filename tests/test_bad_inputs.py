@@ -172,8 +172,11 @@ def test_resume_of_a_finished_run_says_so_and_does_nothing(tmp_path):
     tracker.log_metrics({"eval/accuracy": 0.25}, step=2)
     tracker.end("FINISHED")
     before = read_run(tracker.run_id, uri)
-    proc = run_tlt([*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--resume", tracker.run_id[:8]],
-                   cli_env(tmp_path), timeout=120)
+    exported = tmp_path / "export"  # the finished run's export: a full folder is no error here
+    exported.mkdir()
+    (exported / "config.json").write_text("{}")
+    proc = run_tlt([*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--set", f"export.out_dir={exported}",
+                    "--resume", tracker.run_id[:8]], cli_env(tmp_path), timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert f"run {tracker.run_id} has finished (held-out accuracy 0.250); there is nothing to resume" in proc.stdout
     assert "Traceback" not in proc.stdout

@@ -23,10 +23,11 @@ def test_step_line_names_every_number_and_why_the_drafter_skipped():
 
 
 @pytest.mark.parametrize("drafter, metrics, prev, note", [
-    (PAYOFF, {"drafter/spot_steps": 5.0}, None, "trained 5 steps"),
+    (PAYOFF, {"drafter/spot_steps": 5.0}, None, "trained 5 drafter steps"),
+    (PAYOFF, {"drafter/spot_steps": 1.0}, None, "trained 1 drafter step"),
     (PAYOFF, {"drafter/spot_steps": 0.0}, None, "due, trained 0 steps (empty buffer or no tail)"),
     (DrafterConfig(schedule="payoff", where="sequential"), {"drafter/steps": 24.0}, {"drafter/steps": 16.0},
-     "trained 8 steps"),
+     "trained 8 drafter steps"),
 ])
 def test_trained_steps_spot_and_sequential(drafter, metrics, prev, note):
     assert step_line(1, 2, _m(1.0, **metrics), prev, drafter).endswith(f"; drafter {note}")
@@ -53,7 +54,7 @@ def test_refresh_summary_counts_and_reasons():
             "drafter/spot_steps": [(1, 0.0), (2, 0.0), (3, 0.0), (4, 6.0)],
             "drafter/payoff_s": [(2, -0.9), (3, -0.2), (4, 0.3)]}
     line = refresh_summary(rows_by_step(hist), PAYOFF)
-    assert line == ("drafter refreshes: 1 of 4 RL steps (schedule payoff, spot), at steps 4, 6 drafter steps; "
+    assert line == ("drafter refreshes: 1 of 4 RL steps (schedule payoff, spot), at step 4 (6 drafter steps); "
                     "skipped: payoff ≤ 0 ×2, due, trained 0 steps (empty buffer or no tail) ×1")
     none = refresh_summary(rows_by_step({"drafter/refresh_decision": [(1, 0.0), (2, 0.0)]}),
                            DrafterConfig(schedule="frozen"))

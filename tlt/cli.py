@@ -175,10 +175,12 @@ def run(config: Path = ConfigArg, set_: Optional[list[str]] = SetOpt,
     """Run the tlt-train flow on CONFIG."""
     cfg = _load(config, set_)
     _env_defaults()
+    if resume:  # a finished run first: its export folder is full, and that is no error here
+        resume = resolve_run_id(resume, cfg.tracking.tracking_uri, "--resume")
+        if msg := finished_run(resume, cfg.tracking.tracking_uri):
+            out.print(msg, markup=False, highlight=False)
+            return
     resume = check_run_inputs(cfg, resume)  # before Prefect, MLflow, workers or Ray start
-    if resume and (msg := finished_run(resume, cfg.tracking.tracking_uri)):
-        out.print(msg, markup=False, highlight=False)
-        return
     err.print(f"checked: {check_prompts(cfg)}", markup=False, highlight=False)
     train = importlib.import_module("flows.train")
     _no_user_error_tracebacks()

@@ -61,7 +61,7 @@ def drafter_note(m: dict, prev: dict | None, drafter) -> str:
     if m["drafter/refresh_decision"] > 0:
         if n == 0:
             return EMPTY_TAIL
-        return "trained" + (f" {n} steps" if n is not None else "")
+        return "trained" + (f" {_steps(n)}" if n is not None else "")
     return f"skipped ({skip_reason(m, prev, drafter)})"
 
 
@@ -121,10 +121,14 @@ def refresh_summary(history: list[dict], drafter) -> str:
     line = f"drafter refreshes: {len(done)} of {len(rows)} RL steps (schedule {drafter.schedule}"
     line += f", {drafter.where})" if drafter.schedule != "frozen" else ")"
     if done:
-        line += f", at steps {', '.join(map(str, done))}" + (f", {steps} drafter steps" if steps else "")
+        line += f", at step{'s' * (len(done) > 1)} {', '.join(map(str, done))}" + (f" ({_steps(steps)})" if steps else "")
     if skipped:
         line += "; skipped: " + ", ".join(f"{why} ×{k}" for why, k in skipped.most_common())
     return line
+
+
+def _steps(n: int) -> str:
+    return f"{n} drafter step{'s' * (n != 1)}"
 
 
 def _category(reason: str) -> str:
