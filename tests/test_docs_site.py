@@ -1,0 +1,54 @@
+"""The docs site serves its own mermaid: the diagrams render without network.
+
+Material for MkDocs loads mermaid from a CDN unless a global `mermaid` is already defined; mkdocs.yml
+loads the copy `make docs` fetches (pinned, checksummed) as an extra script. The build test runs
+where MkDocs is installed (`make docs` installs it and runs this file after the build).
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MERMAID = "js/mermaid.min.js"
+
+
+def _mkdocs_config() -> dict:
+    class Loader(yaml.SafeLoader):  # mkdocs.yml names Python objects (!!python/name:...): keep them as text
+        pass
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: suffix)
+    return yaml.load((ROOT / "mkdocs.yml").read_text(), Loader=Loader)
+
+
+def test_mkdocs_loads_mermaid_from_the_site():
+    scripts = _mkdocs_config()["extra_javascript"]
+    assert MERMAID in scripts and not any("://" in s for s in scripts)
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^MERMAID_JS := docs/" + re.escape(MERMAID), makefile, re.M)  # what `make docs` fetches
+    assert re.search(r"^MERMAID_SHA256 := [0-9a-f]{64}$", makefile, re.M)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_built_site_references_its_own_mermaid(tmp_path):
+    pytest.importorskip("mkdocs", reason="MkDocs is the docs extra (`make docs` installs it)")
+    if not (ROOT / "docs" / MERMAID).is_file():
+        pytest.skip(f"docs/{MERMAID} is fetched by `make docs`")
+    site = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (site / MERMAID).read_bytes()[:200] == (ROOT / "docs" / MERMAID).read_bytes()[:200]
+    pages = [p for p in site.rglob("*.html") if 'class="mermaid"' in p.read_text()]
+    assert pages, "no page with a mermaid diagram (README's step diagram lives in docs/index.md)"
+    for page in pages:
+        html = page.read_text()
+        local = re.findall(r'<script src="([^"]*js/mermaid\.min\.js)"', html)
+        assert local and not local[0].startswith(("http:", "https:", "//")), page
+        assert (page.parent / local[0]).resolve() == (site / MERMAID).resolve(), page
+        assert not re.search(r'<script src="(https?:)?//[^"]*mermaid', html), page
