@@ -137,8 +137,10 @@ def data_validate(path: Path = typer.Argument(..., metavar="PATH", show_default=
                            instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
     if report.bad:
         err.print(report.format(), markup=False)
-        err.print(f"{path}: {len(report.bad)} problem(s) in {report.n_rows} rows; fix them, or set data.on_invalid: drop "
-                  "to train on the clean rows (dropped rows are logged).", markup=False)
+        malformed = any(b.column == "(json)" for b in report.bad)  # dropping rows cannot skip an unreadable line
+        fix = ("fix them (malformed lines first: data.on_invalid: drop cannot skip them)" if malformed else
+               "fix them, or set data.on_invalid: drop to train on the clean rows (dropped rows are logged)")
+        err.print(f"{path}: {len(report.bad)} problem(s) in {report.n_rows} rows; {fix}.", markup=False)
         raise typer.Exit(2)
     out.print(report.summary(), markup=False)
 
