@@ -53,3 +53,12 @@ def test_config_reference_write_needs_the_markers(tmp_path):
     assert _cli("config", "reference", "--write", str(page)).returncode == 0
     text = page.read_text()
     assert text.startswith("intro\n") and text.endswith("tail\n") and "### `drafter`" in text and "STALE TABLE" not in text
+
+
+def test_source_tags_name_the_commit_and_version():
+    from tlt.provenance import source_tags
+
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    tags = source_tags("tlt-train")
+    assert tags["mlflow.source.git.commit"] == head and tags["tlt.git.dirty"] in ("true", "false")
+    assert tags["mlflow.source.name"] == "tlt-train" and tags["tlt.version"] == tlt_version()

@@ -4,6 +4,7 @@ Source; `tlt.version` and `tlt.git.dirty` are tlt's own)."""
 from __future__ import annotations
 
 import functools
+import getpass
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -40,6 +41,10 @@ def git_state() -> tuple[str, bool] | None:
 def source_tags(entry: str = "tlt run") -> dict[str, str]:
     """MLflow run tags naming the code: MLflow's own source tags where they fit, plus tlt's version."""
     tags = {"mlflow.source.type": "LOCAL", "mlflow.source.name": entry, "tlt.version": tlt_version()}
+    try:  # MlflowClient.create_run, unlike mlflow.start_run, sets no user
+        tags["mlflow.user"] = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry for the uid (some containers)
+        pass
     state = git_state()
     if state is not None:
         tags["mlflow.source.git.commit"] = state[0]
