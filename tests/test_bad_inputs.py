@@ -196,7 +196,7 @@ def test_resume_with_other_settings_refused_before_anything_starts(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = make_tracker(TrackingConfig(tracking_uri=uri, system_metrics=False), run_name="smoke")
     tracker.log_params(flatten(resolve_run(load_config(ROOT / "conf" / "smoke.yaml"))[0]))
-    tracker.end()
+    tracker.end("FAILED")  # a crashed run: what --resume is for (a finished one is reported as such)
     args = [*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--resume", tracker.run_id[:8]]
     proc = run_tlt([*args, "--set", "rl.steps=9"], cli_env(tmp_path), timeout=120)
     _refused(proc, tracker.run_id, "rl.steps: 2 -> 9", "config.yaml", "without --resume")
