@@ -18,13 +18,13 @@ from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run, task_run
 
 from tlt.config import RunConfig
-from tlt.console import eval_line, refresh_summary, step_line
+from tlt.console import eval_line, step_line
 from tlt.errors import UserError, exception_chain
 from tlt.inputs import check_run_inputs
 from tlt.export_run import export_checkpoint as export, resolve_checkpoint
 from tlt.pipeline import Pipeline
 from tlt.provenance import source_tags
-from tlt.report import log_summary
+from tlt.report import close_report
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
 
@@ -143,14 +143,9 @@ def evaluate(run_id: str, step: int) -> EvalSummary:
 @task(name="report", cache_policy=NO_CACHE)
 def report(run_id: str) -> str:
     pipe = get_pipeline(run_id)
-    md = pipe.report()
-    refreshes = refresh_summary(pipe.record.history, pipe.cfg.drafter if pipe.refresher is not None else None)
-    if refreshes:  # this process's steps (a resumed run's closing line counts them all)
+    md, refreshes = close_report(pipe.report(), pipe.tracker, pipe.cfg, pipe.record.history, pipe.refresher is not None)
+    if refreshes:
         get_run_logger().info(refreshes)
-        md += f"\n\n**{refreshes}**"
-    summary = log_summary(pipe.tracker, refreshes)
-    if summary:
-        md += "\n\n**summary metrics**: " + ", ".join(f"`{k}` {v:.3g}" for k, v in summary.items())
     create_markdown_artifact(md, key="run-report")
     return md
 

@@ -127,6 +127,18 @@ def refresh_summary(history: list[dict], drafter) -> str:
     return line
 
 
+def run_refresh_summary(run_id: str, uri: str | None, drafter, fallback: list[dict] | None = None) -> str:
+    """`refresh_summary` of a whole run, read back from its MLflow metrics (a resumed run's earlier
+    steps count too); during an outage, of `fallback` (this process's rows), else ''."""
+    try:
+        history = rows_by_step(tracking.metric_histories(run_id, list(DRAFTER_KEYS), uri))
+    except Exception as exc:  # noqa: BLE001 - an outage costs this line only (the run itself is done)
+        if not tracking.is_transient(exc):
+            raise
+        history = fallback or []
+    return refresh_summary(history, drafter)
+
+
 def _steps(n: int) -> str:
     return f"{n} drafter step{'s' * (n != 1)}"
 
@@ -167,15 +179,8 @@ def closing_lines(result: dict, cfg) -> list[str]:
     the run is."""
     lines = [final_line(result["eval"], result.get("export"))]
     run_id, uri = result["run_id"], cfg.tracking.tracking_uri
-    if cfg.rollout.drafter == "eagle":
-        try:
-            history = rows_by_step(tracking.metric_histories(run_id, list(DRAFTER_KEYS), uri))
-        except Exception as exc:  # noqa: BLE001 - an outage costs this line only (the run itself is done)
-            if not tracking.is_transient(exc):
-                raise
-            history = []
-        if summary := refresh_summary(history, cfg.drafter):
-            lines.append(summary)
+    if cfg.rollout.drafter == "eagle" and (summary := run_refresh_summary(run_id, uri, cfg.drafter)):
+        lines.append(summary)
     link = tracking.run_link(run_id, uri)
     where = f"open {link}" if link else f"open the experiment '{cfg.tracking.experiment}'"
     local = not tracking.default_tracking_uri(uri).startswith(("http://", "https://"))

@@ -100,3 +100,18 @@ def log_summary(tracker, extra: str = "") -> dict[str, float]:
     tracker.log_metrics(metrics)
     tracker.set_tags({"mlflow.note.content": text + (f"\n\n{extra}" if extra else "")})
     return metrics
+
+
+def close_report(md: str, tracker, cfg, history: list[dict], trains_drafter: bool) -> tuple[str, str]:
+    """The run report `md` with the drafter's refresh summary and the headline metrics added (both
+    logged to the run: tlt.console.run_refresh_summary, `log_summary`); returns (report, refresh line)."""
+    from tlt.console import run_refresh_summary
+
+    uri = getattr(tracker, "uri", None)  # None: a NullTracker, no store to read the run back from
+    refreshes = run_refresh_summary(tracker.run_id, uri, cfg.drafter, history) if trains_drafter and uri else ""
+    if refreshes:
+        md += f"\n\n**{refreshes}**"
+    summary = log_summary(tracker, refreshes)
+    if summary:
+        md += "\n\n**summary metrics**: " + ", ".join(f"`{k}` {v:.3g}" for k, v in summary.items())
+    return md, refreshes
