@@ -59,11 +59,27 @@ test-ui: venv
 	  apt-get install -y -qq chromium >/dev/null) || echo "test-ui: could not install chromium; the browser test will skip"
 	$(BIN)/python -m pytest -q -m browser tests/test_ui_browser.py
 
-# The docs site (docs/, mkdocs.yml): installs the `docs` extra into .venv, then a strict build into site/.
-docs: venv
+MERMAID_VERSION := 11.17.2
+MERMAID_SHA256 := 581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8
+MERMAID_JS := docs/js/mermaid.min.js
+
+# The docs site (docs/, mkdocs.yml): installs the `docs` extra into .venv, then a strict build into site/,
+# then checks that the site serves its own mermaid script (diagrams render offline).
+docs: venv $(MERMAID_JS)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,docs]'
 	$(BIN)/python bench/render.py --check
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+	$(BIN)/python -m pytest -q tests/test_docs_site.py
+
+# mermaid (MIT) for the docs' diagrams, from the npm package, pinned and checksummed; served by the site
+# itself instead of the CDN the theme falls back to. Not committed (3.5 MB): `make docs` fetches it once.
+$(MERMAID_JS):
+	mkdir -p build/npm docs/js
+	cd build/npm && npm pack --silent mermaid@$(MERMAID_VERSION) >/dev/null && \
+		tar xzf mermaid-$(MERMAID_VERSION).tgz package/dist/mermaid.min.js package/LICENSE
+	echo "$(MERMAID_SHA256)  build/npm/package/dist/mermaid.min.js" | sha256sum -c --quiet
+	cp build/npm/package/LICENSE docs/js/mermaid.LICENSE.txt
+	cp build/npm/package/dist/mermaid.min.js $@
 
 ui: venv
 	$(BIN)/tlt ui

@@ -43,10 +43,11 @@ def x(v: float) -> str:
 
 # ---------------------------------------------------------------- blocks
 def index_block(results: dict, prefix: str) -> str:
-    rows = ["| file | command | commit | machine | date | config hash |", "|---|---|---|---|---|---|"]
+    """Compact provenance: one short row per file (the full command is in the file's header)."""
+    rows = ["| file | suite | recipe | commit | machine | date |", "|---|---|---|---|---|---|"]
     for name, r in results.items():
-        rows.append(f"| [{name}.json]({prefix}/{name}.json) | `{r['command']}` | `{r['commit']}` | {r['machine']} | "
-                    f"{r['date']} | `{r.get('config_hash') or '–'}` |")
+        rows.append(f"| [{name}.json]({prefix}/{name}.json) | `{suite(r)}` | `{recipe(r)}` | `{r['commit'][:7]}` | "
+                    f"{r['machine']} | {r['date'][:10]} |")
     return "\n".join(rows)
 
 
@@ -61,7 +62,7 @@ PRECISION_ROWS = [  # (label, cell from one precision result)
     ("drafter warm-start, per step",
      lambda r: f"{r['warmstart_s_fp32'] / r['warmstart_steps']:.2f} → {r['warmstart_s_bf16'] / r['warmstart_steps']:.2f} s, "
                f"{x(r['warmstart_speedup'])}"),
-    ("held-out accept length after warm-start, greedy",
+    ("held-out accept length after warm-start (fixed chain, greedy)",
      lambda r: f"{r['accept_len_fp32']:.2f} → {r['accept_len_bf16']:.2f}"),
     ("held-out greedy accuracy after the last step", lambda r: f"{r['accuracy_fp32']:.2f} → {r['accuracy_bf16']:.2f}"),
     ("reward curves, paired permutation test",
@@ -117,8 +118,8 @@ def status_block(results: dict, prefix: str) -> str:
                     f"p = {r['parity_p_value']:.3f} | {where} | {r['machine']} | {link} |")
         rows.append(f"| SD vs plain decoding, rollout tokens/s at the recipe's batch | {x(sd_ratio(r, 'fp32'))} "
                     f"(fp32), {x(sd_ratio(r, 'bf16'))} (bf16) | {where} | {r['machine']} | {link} |")
-        rows.append(f"| drafter accept length after warm-start (greedy, fp32) | {r['accept_len_fp32']:.2f} tokens "
-                    f"per verify | {where} | {r['machine']} | {link} |")
+        rows.append(f"| held-out accept length after warm-start (fixed chain, greedy, fp32) | {r['accept_len_fp32']:.2f} "
+                    f"tokens per target pass | {where} | {r['machine']} | {link} |")
     for n, r in results.items():
         if suite(r) != "rl_step":
             continue
@@ -139,7 +140,7 @@ def status_block(results: dict, prefix: str) -> str:
             rows.append(f"| SD vs plain decoding at batch {batches} ({r.get('rollout_dtype', 'float32')} rollout) | "
                         f"{curve}, greedy identical: {r['greedy_identical']} | {where} | {r['machine']} | {link} |")
         elif suite(r) == "adaptive" and "payoff_accept_ratio" in r:
-            rows.append(f"| `payoff` drafter schedule vs refreshing every step | accept length "
+            rows.append(f"| `payoff` drafter schedule vs refreshing every step | held-out accept length "
                         f"{x(r['payoff_accept_ratio'])} at {r['payoff_drafter_time_ratio']:.0%} of the drafter time | "
                         f"{where} | {r['machine']} | {link} |")
     rows.append(f"| GPU rollout and training speed | {NOT_MEASURED} | | GPU | [GPU guide](docs/gpu.md) |")
@@ -186,7 +187,7 @@ def rollout_block(results: dict, prefix: str) -> str:
         out += [f"[`{recipe(r)}`]({prefix}/{n}.json): {drafter} drafter, {r['prompts']} prompts, "
                 f"{r['max_new_tokens']} new tokens, rollout dtype {r.get('rollout_dtype', 'float32')}, "
                 f"{r['threads']} threads:", "",
-                "| batch | plain tok/s | SD tok/s | SD / plain | accept length (live) | HF generate tok/s |",
+                "| batch | plain tok/s | SD tok/s | SD / plain | live accept length | HF generate tok/s |",
                 "|---|---|---|---|---|---|"]
         out += [f"| {w['batch']} | {w['plain_tok_s']:.1f} | {w['spec_tok_s']:.1f} | **{x(w['speedup_vs_plain'])}** | "
                 f"{w['accept_len_mean']:.2f} | {w['hf_tok_s']:.1f} |" for w in r["rows"]]
@@ -208,14 +209,14 @@ def schedules_block(results: dict, prefix: str) -> str:
     out = []
     for n, r in runs.items():
         out += [f"[`{recipe(r)}`]({prefix}/{n}.json), {r['steps']} RL steps per arm, interleaved:", "",
-                "| schedule | RL step s | rollout s | drafter steps | drafter s | held-out accept length, "
-                "after warm-start → after the last step |", "|---|---|---|---|---|---|"]
+                "| schedule | RL step s | rollout s | drafter steps | drafter s | held-out accept length (fixed chain, "
+                "greedy), after warm-start → after the last step |", "|---|---|---|---|---|---|"]
         for a, m in r["arms"].items():
             acc = r[f"accept_len_{a}"]
             out.append(f"| `{a}` | {m['step_s']:.1f} | {m['rollout_s']:.1f} | {r[f'drafter_steps_{a}']:.0f} | "
                        f"{r[f'drafter_s_{a}']:.1f} | {acc[0]:.2f} → {acc[-1]:.2f} |")
         if "payoff_accept_ratio" in r:
-            out += ["", f"payoff against every_k: accept length {x(r['payoff_accept_ratio'])} (mean after the steps) "
+            out += ["", f"payoff against every_k: held-out accept length {x(r['payoff_accept_ratio'])} (mean after the steps) "
                     f"at {r['payoff_drafter_time_ratio']:.0%} of the drafter time."]
     return "\n".join(out)
 

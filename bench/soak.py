@@ -58,7 +58,7 @@ class Watch:
         for line in self.proc.stdout:
             self.tail = (self.tail + [line])[-40:]
             if m := STEP_DONE.search(line):
-                self.per_step[int(m.group(1)) + 1] = tree_rss(self.ps)
+                self.per_step[int(m.group(1))] = tree_rss(self.ps)
             if line.startswith("done: MLflow run"):
                 self.run_id = line.split()[3]
         self.done.set()

@@ -1,6 +1,6 @@
 """Deployments of tlt-train: `manual` (the RunConfig form in the Prefect UI) and `retrain` (cron).
 
-`tlt deploy CONFIG` registers both with the Prefect API; `tlt serve CONFIG` registers and runs
+`tlt deploy CONFIG` registers both with the Prefect API; `tlt schedule CONFIG` registers and runs
 them in this process (runs are spawned: the console script's `__main__` guard matters).
 """
 from __future__ import annotations

@@ -15,13 +15,16 @@ from prefect import get_client, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
-from prefect.runtime import deployment, flow_run
+from prefect.runtime import deployment, flow_run, task_run
 
 from tlt.config import RunConfig
+from tlt.console import eval_line, step_line
 from tlt.errors import UserError, exception_chain
 from tlt.inputs import check_run_inputs
 from tlt.export_run import export_checkpoint as export, resolve_checkpoint
 from tlt.pipeline import Pipeline
+from tlt.provenance import source_tags
+from tlt.report import close_report
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
 
@@ -64,7 +67,7 @@ def start_run(config: RunConfig, resume_run_id: str | None = None, retrain: bool
     fr = str(flow_run.id or "")
     resume_run_id = resume_run_id or find_run("prefect.flow_run_id", fr, config.tracking.experiment,
                                               config.tracking.tracking_uri)
-    tags = {"prefect.flow_run_id": fr, "prefect.flow_run_name": str(flow_run.name or ""),
+    tags = {**source_tags("tlt-train"), "prefect.flow_run_id": fr, "prefect.flow_run_name": str(flow_run.name or ""),
             "prefect.deployment": str(deployment.name or "")}
     tracker = make_tracker(config.tracking, run_name=config.name, tags=tags, run_id=resume_run_id)
     open_pipeline(config, tracker, retrain=retrain).log_config()
@@ -91,6 +94,9 @@ def prepare_models(run_id: str) -> ModelSummary:
 @task(name="warmstart-drafter", cache_policy=NO_CACHE)
 def warmstart_drafter(run_id: str) -> WarmstartSummary:
     s = get_pipeline(run_id).warmstart()
+    get_run_logger().info(f"drafter warm-start: held-out accept length (fixed chain, greedy) {s.accept_len_before:.2f} "
+                          f"-> {s.accept_len_after:.2f}, {s.train_steps} steps on {s.corpus_tokens} corpus tokens"
+                          f"{' (cached corpus)' if s.cached else ''} in {s.time_s:.0f} s")
     create_table_artifact([s.model_dump()], key="warmstart", description="held-out accept length before/after warm-start")
     return s
 
@@ -99,13 +105,25 @@ def warmstart_drafter(run_id: str) -> WarmstartSummary:
 def resume(run_id: str) -> int:
     start = get_pipeline(run_id).resume()  # rollout workers (rollout.workers > 1) start here, then the checkpoint
     if start:
-        get_run_logger().info(f"resumed from checkpoint step-{start - 1:06d}: next RL step {start}")
+        get_run_logger().info(f"resumed from checkpoint step-{start:06d} ({start} RL step{'s' * (start > 1)} done): "
+                              f"next RL step {start + 1}")
     return start
 
 
-@task(name="rl-step", cache_policy=NO_CACHE, task_run_name="rl-step-{step}")
+def _rl_step_name() -> str:
+    """`rl-step-N`, N counted from 1 like the log lines, MLflow steps and checkpoint folders (the
+    flow passes the 0-based index)."""
+    return f"rl-step-{task_run.parameters['step'] + 1}"
+
+
+@task(name="rl-step", cache_policy=NO_CACHE, task_run_name=_rl_step_name)
 def rl_step(run_id: str, step: int) -> StepSummary:
-    s = get_pipeline(run_id).rl_step(step)
+    pipe = get_pipeline(run_id)
+    s = pipe.rl_step(step)
+    history = pipe.record.history
+    prev = history[-2] if len(history) > 1 and history[-2]["step"] == s.step - 1 else None
+    get_run_logger().info(step_line(s.step, pipe.cfg.rl.steps, s.metrics, prev,
+                                    pipe.cfg.drafter if pipe.refresher is not None else None))
     keys = ("reward/mean", "spec/accept_len/mean", "spec/enabled_share", "rollout/tokens_per_s",
             "rollout/response_length/max", "timing_s/rollout", "timing_s/update_policy", "timing_s/update_drafter",
             "timing_s/step")
@@ -117,13 +135,17 @@ def rl_step(run_id: str, step: int) -> StepSummary:
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-{step}")
 def evaluate(run_id: str, step: int) -> EvalSummary:
     s = get_pipeline(run_id).evaluate(step)
+    get_run_logger().info(eval_line(s.step, s.accuracy, s.n, s.accept_len, s.accept_len_sampled))
     create_table_artifact([s.model_dump()], key="eval", description=f"greedy held-out accuracy at step {step}")
     return s
 
 
 @task(name="report", cache_policy=NO_CACHE)
 def report(run_id: str) -> str:
-    md = get_pipeline(run_id).report()
+    pipe = get_pipeline(run_id)
+    md, refreshes = close_report(pipe.report(), pipe.tracker, pipe.cfg, pipe.record.history, pipe.refresher is not None)
+    if refreshes:
+        get_run_logger().info(refreshes)
     create_markdown_artifact(md, key="run-report")
     return md
 
@@ -132,7 +154,7 @@ def report(run_id: str) -> str:
 def export_drafter(run_id: str, final: EvalSummary | None = None) -> ExportSummary:
     s = get_pipeline(run_id).export(final)
     create_markdown_artifact(f"EAGLE-3 drafter exported to `{s.path}` (model version {s.version}, "
-                             f"accept length {s.accept_len or 0:.2f}) in {s.time_s:.1f} s", key="export")
+                             f"held-out accept length, greedy {s.accept_len or 0:.2f}) in {s.time_s:.1f} s", key="export")
     return s
 
 

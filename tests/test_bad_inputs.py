@@ -10,6 +10,8 @@ import pytest
 
 from cli_runs import ROOT, cli_env, prefect_api_url, run_tlt
 
+BAD = ROOT / "tests" / "data" / "bad"
+
 SMOKE = ["run", "conf/smoke.yaml"]
 
 
@@ -18,8 +20,11 @@ def _refused(proc, *words: str) -> str:
     assert proc.returncode == 2, f"rc {proc.returncode}\n{out[-3000:]}"
     assert "Traceback" not in out and "╭" not in out, out[-3000:]
     assert "attempt to run again" not in out, out[-3000:]  # a user error is not retried
-    last = out.strip().splitlines()[-1]  # the CLI's own paragraph comes last
-    assert last.startswith("error: "), last
+    lines = out.strip().splitlines()
+    # the CLI's own paragraph comes last, printed once (a data error lists its rows on the lines after it)
+    starts = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert len(starts) == 1, out[-3000:]
+    last = "\n".join(lines[starts[0]:])
     for w in words:
         assert w in last, (w, last)
     return last
@@ -122,13 +127,23 @@ def _bad_args(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "warmstart-export": (["drafter", "warmstart", "conf/smoke.yaml", "--export", str(full)], ["--export", "--force"]),
         "deploy": (["deploy", "conf/smoke.yaml", "--set", f"data.path={tmp / 'x.jsonl'}"], ["x.jsonl", "not found"]),
         "serve": (["serve", "conf/smoke.yaml", "--set", f"model.name_or_path={tmp / 'nope'}"], ["nope", "not found"]),
+        "schedule": (["schedule", "conf/smoke.yaml", "--set", f"model.name_or_path={tmp / 'nope'}"],
+                     ["nope", "not found"]),
+        # the rows themselves, read before any service: malformed lines, row errors, a reward that raises
+        "run-data-malformed": ([*run, "--set", f"data.path={BAD / 'malformed.jsonl'}"],
+                               ["malformed.jsonl", "malformed line(s) (lines 2, 4, 5)"]),
+        "run-data-rows": ([*run, "--set", f"data.path={BAD / 'duplicate_ids.jsonl'}"],
+                          ["duplicate_ids.jsonl", "duplicate id 'a'", "data.on_invalid: drop"]),
+        "config-check-data": (["config", "check", "conf/smoke.yaml", "--set", f"data.path={BAD / 'duplicate_ids.jsonl'}"],
+                              ["duplicate_ids.jsonl", "duplicate id 'a'"]),
         "bench-rollout": (["bench", "rollout", "conf/smoke.yaml", "--drafter", str(empty)], ["--drafter", "config.json"]),
     }
 
 
 CASES = ["run-resume", "run-model-missing", "run-model-empty", "run-data-missing", "run-data-empty",
          "run-export-target", "run-reward", "export-run", "export-checkpoint", "export-out", "compare", "compare-out",
-         "data-validate", "warmstart-model", "warmstart-export", "deploy", "serve", "bench-rollout"]
+         "data-validate", "warmstart-model", "warmstart-export", "deploy", "serve", "schedule", "bench-rollout",
+         "run-data-malformed", "run-data-rows", "config-check-data"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -144,6 +159,33 @@ def test_wrong_id_or_path_refused_before_anything_starts(tmp_path, case):
     assert not (tmp_path / "prefect").exists()  # no Prefect server or client started
 
 
+def test_resume_of_a_finished_run_says_so_and_does_nothing(tmp_path):
+    """`--resume` of a FINISHED run: exit 0 with one line saying so; no warm-start, evaluation, export or
+    registry version: the store keeps its one run, unchanged, and nothing else starts."""
+    from tlt.config import TrackingConfig, flatten, load_config
+    from tlt.precision import resolve_run
+    from tlt.tracking import make_tracker, read_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = make_tracker(TrackingConfig(tracking_uri=uri, system_metrics=False), run_name="smoke")
+    tracker.log_params(flatten(resolve_run(load_config(ROOT / "conf" / "smoke.yaml"))[0]))
+    tracker.log_metrics({"eval/accuracy": 0.25}, step=2)
+    tracker.end("FINISHED")
+    before = read_run(tracker.run_id, uri)
+    exported = tmp_path / "export"  # the finished run's export: a full folder is no error here
+    exported.mkdir()
+    (exported / "config.json").write_text("{}")
+    proc = run_tlt([*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--set", f"export.out_dir={exported}",
+                    "--resume", tracker.run_id[:8]], cli_env(tmp_path), timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"run {tracker.run_id} has finished (held-out accuracy 0.250); there is nothing to resume" in proc.stdout
+    assert "Traceback" not in proc.stdout
+    after = read_run(tracker.run_id, uri)
+    assert (after["metrics"], after["status"], after["models"]) == (before["metrics"], "FINISHED", {})
+    assert _runs_in_store(tmp_path) == 1 and not (tmp_path / "runs").exists()
+    assert not (tmp_path / "prefect").exists()  # no Prefect server or client started
+
+
 def test_resume_with_other_settings_refused_before_anything_starts(tmp_path):
     """A run resumed with a changed config: exit 2 naming the key, both values and the run's own
     config.yaml; the store keeps its one run, unchanged."""
@@ -154,7 +196,7 @@ def test_resume_with_other_settings_refused_before_anything_starts(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = make_tracker(TrackingConfig(tracking_uri=uri, system_metrics=False), run_name="smoke")
     tracker.log_params(flatten(resolve_run(load_config(ROOT / "conf" / "smoke.yaml"))[0]))
-    tracker.end()
+    tracker.end("FAILED")  # a crashed run: what --resume is for (a finished one is reported as such)
     args = [*SMOKE, "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}", "--resume", tracker.run_id[:8]]
     proc = run_tlt([*args, "--set", "rl.steps=9"], cli_env(tmp_path), timeout=120)
     _refused(proc, tracker.run_id, "rl.steps: 2 -> 9", "config.yaml", "without --resume")

@@ -78,10 +78,10 @@ def test_flatten_has_every_leaf():
 
 def test_docs_config_reference_in_sync():
     """docs/configuration.md holds the generated reference; regenerate with
-    `tlt config reference --readme docs/configuration.md`."""
+    `tlt config reference --write docs/configuration.md`."""
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert reference_markdown() in page, ("docs/configuration.md config reference is stale: run "
-                                          "`tlt config reference --readme docs/configuration.md`")
+                                          "`tlt config reference --write docs/configuration.md`")
 
 
 def _cli(*args):

@@ -102,6 +102,26 @@ def test_malformed_lines_are_structured():
     assert isinstance(err.value.bad[0], BadRow)
 
 
+def test_validate_lists_malformed_lines_and_row_errors_together(tmp_path):
+    """`tlt data validate`: a malformed line does not hide the problems of the rows that parsed."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": "a?", "answer": "1"}\n{"prompt": "b?", "answer": \n{"prompt": "", "answer": "2"}\n'
+                    '[1, 2]\n{"prompt": "c?"}\n')
+    report = validate_file(path)
+    assert [(b.row, b.column) for b in report.bad] == [(2, "(json)"), (3, "prompt"), (4, "(json)"), (5, "answer")]
+    assert report.n_rows == 5 and list(report.clean.index) == [1]
+
+
+def test_partly_filled_id_column_is_optional(tmp_path):
+    """`id` is optional per row: rows without one get their row number, rows with one keep it."""
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"id": "x", "prompt": "a?", "answer": "1"}\n{"prompt": "b?", "answer": "2"}\n'
+                    '{"id": null, "prompt": "c?", "answer": "3"}\n')
+    report = validate_file(path)
+    assert report.ok, report.format()
+    assert list(report.clean["id"]) == ["x", "2", "3"]
+
+
 def test_missing_file_and_unknown_extension(tmp_path):
     with pytest.raises(DataError, match="not found"):
         read_rows(tmp_path / "nope.jsonl")

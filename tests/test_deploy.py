@@ -1,4 +1,4 @@
-"""Deployments end to end: a real local Prefect server, `tlt serve`, a run triggered through the
+"""Deployments end to end: a real local Prefect server, `tlt schedule`, a run triggered through the
 API (as the UI's Run button does), MLflow holding its metrics, and the retrain schedule."""
 import subprocess
 import sys
@@ -22,7 +22,7 @@ def server(tmp_path_factory):
     with prefect_server(tmp) as prefect:
         env = prefect["env"]
         sets = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}", "--set", "deploy.cron=*/5 * * * *"]
-        serve = subprocess.Popen([str(BIN / "tlt"), "serve", "conf/smoke.yaml", *sets], cwd=ROOT, env=env,
+        serve = subprocess.Popen([str(BIN / "tlt"), "schedule", "conf/smoke.yaml", *sets], cwd=ROOT, env=env,
                                  stdout=open(tmp / "serve.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
         try:
             yield {"env": env, "tmp": tmp, "api": prefect["api"], "serve": serve}
@@ -51,7 +51,7 @@ def _wait_deployments(api, timeout=180):
         if {"manual", "retrain"} <= set(deps):
             return deps
         time.sleep(2)
-    raise AssertionError("tlt serve did not register tlt-train/manual and tlt-train/retrain")
+    raise AssertionError("tlt schedule did not register tlt-train/manual and tlt-train/retrain")
 
 
 def test_ui_run_completes_and_is_tracked(server):

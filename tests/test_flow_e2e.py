@@ -5,6 +5,7 @@ decoding in one process) are made once per module
 and then read back, compared, exported and evaluated.
 """
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +31,55 @@ def runs(prefect_api, tmp_path_factory):
     mp.setenv("MLFLOW_TRACKING_URI", uri)
     cfgs = [load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp / 'runs'}", *extra])
             for extra in (["rollout.workers=2"], ["rollout.spec=false", "name=smoke-plain"])]
-    results = [tlt_train(config=c) for c in cfgs]
-    yield {"uri": uri, "tmp": tmp, "cfgs": cfgs, "results": results}
+    lines = _Lines()
+    logging.getLogger("prefect").addHandler(lines)  # the task runs' console lines (tlt.console)
+    try:
+        results = [tlt_train(config=c) for c in cfgs]
+    finally:
+        logging.getLogger("prefect").removeHandler(lines)
+    yield {"uri": uri, "tmp": tmp, "cfgs": cfgs, "results": results, "lines": lines.messages}
     mp.undo()
+
+
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_console_says_what_happened(runs):
+    """One line per RL step with the step's numbers and the drafter's decision, one per evaluation, the
+    refresh summary; steps counted from 1 (Prefect task runs rl-step-1, rl-step-2)."""
+    steps = [m for m in runs["lines"] if m.startswith("RL step ")]
+    assert [s.split(":")[0] for s in steps] == ["RL step 1/2", "RL step 2/2"] * 2, steps
+    sd = steps[0]
+    for part in ("reward ", "rollout ", "tok/s (step ", "SD share ", "live accept length ", "; drafter "):
+        assert part in sd, (part, sd)
+    # the smoke recipe refreshes every step; step 1's tail has an empty buffer (one-step offset)
+    assert sd.endswith("drafter due, trained 0 steps (empty buffer or no tail)"), sd
+    assert "drafter trained" in steps[1], steps[1]
+    evals = [m for m in runs["lines"] if m.startswith("evaluation ")]
+    assert evals[0].startswith("evaluation before training: held-out accuracy ") and "greedy" in evals[0]
+    assert [m for m in runs["lines"] if m.startswith("drafter refreshes: ")][0].startswith(
+        "drafter refreshes: 1 of 2 RL steps (schedule every_k, spot), at step 2")
+    assert not any("interpreted in multiple ways" in m for m in runs["lines"])
+
+
+def test_run_tags_and_headline(runs):
+    """MLflow: the code's commit and tlt's version as tags, headline summary/* metrics and the description."""
+    from tlt.provenance import git_state, tlt_version
+
+    run = read_run(runs["results"][0]["run_id"], runs["uri"])
+    tags = run["tags"]
+    assert tags["tlt.version"] == tlt_version() and tags["mlflow.source.name"] == "tlt-train"
+    assert tags["mlflow.source.git.commit"] == git_state()[0]
+    summary = {k: v for k, v in run["metrics"].items() if k.startswith("summary/")}
+    assert summary["summary/heldout_accuracy"] == run["metrics"]["eval/accuracy"]
+    assert summary["summary/drafter_refreshes"] == 1.0 and summary["summary/live_accept_len"] >= 1.0
+    assert "| held-out accept length (fixed chain, greedy) |" in tags["mlflow.note.content"]
 
 
 def test_every_stage_tracked(runs):
@@ -77,7 +124,7 @@ def test_every_stage_tracked(runs):
     assert check_export(result["export"]["path"], target.config) == []
     assert result["export"]["version"] is not None
     ckpts = sorted((runs["tmp"] / "runs" / rid / "checkpoints").glob("step-*"))
-    assert ckpts[-1].name == f"step-{cfg.rl.steps - 1:06d}"
+    assert ckpts[-1].name == f"step-{cfg.rl.steps:06d}"  # counted from 1, like the RL steps
 
 
 def test_plain_run_has_no_speculation(runs):
@@ -99,7 +146,8 @@ def test_compare_two_real_runs(runs, tmp_path):
     ids = [r["run_id"] for r in runs["results"]]
     df = compare_runs(ids, runs["uri"])
     assert list(df["run_id"]) == ids
-    assert df["accept_len"].iloc[0] >= 1.0 and df["steps"].tolist() == [2, 2]
+    assert df["accept_len_live"].iloc[0] >= 1.0 and df["accept_len_heldout"].iloc[0] >= 1.0
+    assert df["steps"].tolist() == [2, 2] and df["refreshes"].iloc[0] >= 1  # smoke: every_k, spot
     out = _tlt("compare", *ids, "--out", str(tmp_path / "cmp.png"), env_uri=runs["uri"])
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "cmp.png").stat().st_size > 1000 and "smoke" in out.stdout

@@ -20,7 +20,7 @@ from tlt.checkpoint import load_checkpoint
 from tlt.config import load_config
 from tlt.device import module_device
 from tlt.drafter.spot import SpotTrainer
-from tlt.rl.resume import restore_run_state
+from tlt.rl.resume import restore_run_state, steps_done
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -73,7 +73,7 @@ def _checkpoint_on_cpu(pipe) -> None:
     for blob in pts.values():  # without map_location: a GPU tensor in it would come back on the GPU
         assert _cpu_only(torch.load(blob, weights_only=True)), blob.name
     device = module_device(pipe.model)
-    assert restore_run_state(pipe.ctx, pipe.run_dir / "checkpoints")["step"] == 0
+    assert steps_done(restore_run_state(pipe.ctx, pipe.run_dir / "checkpoints")) == 1
     pipe.rl_step(1)
     assert module_device(pipe.model) == device
 

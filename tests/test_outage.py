@@ -166,9 +166,9 @@ def test_outage_over_the_end_of_a_run(server, tmp_path, prefect_api):
                             text=True, start_new_session=True)
     lines = []
     try:
-        for line in proc.stdout:  # stop the server once RL step 1 (task rl-step-0) is logged
+        for line in proc.stdout:  # stop the server once RL step 1 (task rl-step-1) is logged
             lines.append(line)
-            if "rl-step-0" in line and "Finished in state" in line:
+            if "rl-step-1" in line and "Finished in state" in line:
                 _stop(procs[0])
                 break
         lines += proc.stdout.readlines()

@@ -49,7 +49,7 @@ def _run_id(tmp: Path) -> str:
 
 def _first_step(out: str) -> int:
     """The RL step a resumed run continued at (the resume task's log line)."""
-    found = re.findall(r"resumed from checkpoint step-\d+: next RL step (\d+)", out)
+    found = re.findall(r"resumed from checkpoint step-\d+ \(\d+ RL steps? done\): next RL step (\d+)", out)
     assert found, out[-3000:]
     return int(found[-1])
 
@@ -62,7 +62,7 @@ def _final_weights(ckpts: Path) -> dict[str, torch.Tensor]:
     """Policy and drafter weights, and the drafter refresher's buffer and RNG, of the last checkpoint."""
     from tlt.checkpoint import load_checkpoint, load_pt
 
-    tensors, _, pts = load_checkpoint(ckpts / f"step-{STEPS - 1:06d}")
+    tensors, _, pts = load_checkpoint(ckpts / f"step-{STEPS:06d}")
     refresher = load_pt(pts["refresher"])
     out = {f"{group}.{k}": v for group in ("policy", "drafter") for k, v in tensors[group].items()}
     return out | {f"buffer.{k}": v for k, v in refresher["buffer"].items()} | {"refresher.rng": refresher["rng"]}
@@ -87,21 +87,21 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
                  log=tmp_path / "r1.log")
     _expect_kill(r1, "R1")
     assert "injected fault at checkpointed:0" in r1.stdout and "AwaitingRetry" in r1.stdout
-    assert _first_step(r1.stdout) == 1  # the flow's retry found its MLflow run and resumed it
+    assert _first_step(r1.stdout) == 2  # the flow's retry found its MLflow run and resumed it
     run_id = _run_id(dir_)
     ckpts = ckpt / run_id / "checkpoints"
-    assert _complete(ckpts) == ["step-000000"]
+    assert _complete(ckpts) == ["step-000001"]
 
     for fault, what in [("update:1", "policy update"), ("refresh:1", "drafter refresh"),
                         ("checkpoint:1", "checkpoint write")]:
         r = run_tlt(_args(ckpt, run_id), cli_env(dir_, api, TLT_FAULT=fault), log=tmp_path / f"{what}.log")
         _expect_kill(r, what)
-        assert _first_step(r.stdout) == 1, what  # continued after the last complete checkpoint (0)
-        assert _complete(ckpts) == ["step-000000"], what
-    assert list(ckpts.glob(".tmp-step-000001-*")), "the interrupted save should leave its temp dir"
-    # a complete-looking checkpoint 1 whose policy bytes were damaged on disk: skipped, not loaded
-    shutil.copytree(ckpts / "step-000000", ckpts / "step-000001")
-    damaged = ckpts / "step-000001" / "policy.safetensors"
+        assert _first_step(r.stdout) == 2, what  # continued after the last complete checkpoint (step 1)
+        assert _complete(ckpts) == ["step-000001"], what
+    assert list(ckpts.glob(".tmp-step-000002-*")), "the interrupted save should leave its temp dir"
+    # a complete-looking checkpoint 2 whose policy bytes were damaged on disk: skipped, not loaded
+    shutil.copytree(ckpts / "step-000001", ckpts / "step-000002")
+    damaged = ckpts / "step-000002" / "policy.safetensors"
     data = bytearray(damaged.read_bytes())
     data[-8:] = bytes(8)
     damaged.write_bytes(bytes(data))
@@ -109,8 +109,8 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     r5 = run_tlt(_args(ckpt, run_id), cli_env(dir_, api), log=tmp_path / "r5.log")
     assert r5.returncode == 0, r5.stdout[-3000:]
     assert "ignoring incomplete checkpoint" in r5.stdout  # the half-written one was seen, not loaded
-    assert "skipping corrupt checkpoint" in r5.stdout and "step-000001" in r5.stdout  # the damaged one too
-    assert _first_step(r5.stdout) == 1
+    assert "skipping corrupt checkpoint" in r5.stdout and "step-000002" in r5.stdout  # the damaged one too
+    assert _first_step(r5.stdout) == 2
     assert not list(ckpts.glob(".tmp-*"))
 
     out, _ = ref.communicate(timeout=300)
@@ -147,7 +147,7 @@ def test_kill_anywhere_and_resume_equals_uninterrupted(prefect_api, tmp_path):
     assert sorted(m.step for m in client.get_metric_history(run_id, "eval/accuracy")) == [0, 2, 3]
     # step 0's metrics: the first attempt died after checkpoint 0, before logging them; the retry
     # logged the values saved in the checkpoint
-    saved = json.loads((ckpts / "step-000000" / "state.json").read_text())["metrics"]
+    saved = json.loads((ckpts / "step-000001" / "state.json").read_text())["metrics"]
     logged = {m.step: m.value for m in client.get_metric_history(run_id, "reward/mean")}
     assert logged[1] == saved["reward/mean"]
 

@@ -22,7 +22,7 @@ def test_sigterm_stops_the_whole_run(tmp_path):
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 240
-        while "rl-step-1" not in (tmp_path / "run.log").read_text():  # workers and spot trainer are up
+        while "rl-step-2" not in (tmp_path / "run.log").read_text():  # workers and spot trainer are up
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
             time.sleep(0.5)
         os.kill(proc.pid, signal.SIGTERM)

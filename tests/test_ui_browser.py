@@ -1,5 +1,5 @@
 """The UIs in a real browser, as a user meets them: a Prefect server and an MLflow server on free
-127.0.0.1 ports; `tlt run conf/smoke.yaml` trains against both, then `tlt serve conf/smoke.yaml`
+127.0.0.1 ports; `tlt run conf/smoke.yaml` trains against both, then `tlt schedule conf/smoke.yaml`
 serves the deployments. Headless Chromium (the CLI: --dump-dom and --screenshot, no driver
 package) renders the run `tlt run` made (the page it links to, in MLflow's model-training view,
 with its logged model; its metric charts; a plot of its artifacts) and the served deployment's
@@ -144,7 +144,7 @@ def _deployments(api: str) -> dict[str, dict]:
 
 @contextlib.contextmanager
 def _served(args: list[str], env: dict[str, str], api: str, log: Path, timeout: float = 300) -> Iterator[dict]:
-    """`tlt ARGS` (`tlt serve ...`) in its own process group until both deployments are READY (the
+    """`tlt ARGS` (`tlt schedule ...`) in its own process group until both deployments are READY (the
     runner polls the API); yields them by name. On exit the group is stopped, then checked gone."""
     with open(log, "wb") as out:
         proc = subprocess.Popen([TLT, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
@@ -157,7 +157,7 @@ def _served(args: list[str], env: dict[str, str], api: str, log: Path, timeout: 
             if all(found.get(n, {}).get("status") == "READY" for n in ("manual", "retrain")):
                 break
             time.sleep(2)
-        assert proc.poll() is None, f"tlt serve exited {proc.returncode}: {log.read_text()[-3000:]}"
+        assert proc.poll() is None, f"tlt schedule exited {proc.returncode}: {log.read_text()[-3000:]}"
         assert all(found.get(n, {}).get("status") == "READY" for n in ("manual", "retrain")), (
             {n: d.get("status") for n, d in found.items()}, log.read_text()[-3000:])
         yield found
@@ -173,7 +173,7 @@ def _served(args: list[str], env: dict[str, str], api: str, log: Path, timeout: 
     end = time.monotonic() + 15
     while (left := live_pids(lambda pgid, _cmd: pgid == proc.pid)) and time.monotonic() < end:
         time.sleep(0.5)
-    assert not left, f"tlt serve left processes running: {left}"
+    assert not left, f"tlt schedule left processes running: {left}"
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +191,7 @@ def uis(tmp_path_factory):
         link = re.search(r"open (http://\S+/#/experiments/(\d+)/runs/([0-9a-f]{32})\?workflowType=machine_learning)",
                          trained.stdout)
         assert link and link.group(1).startswith(mlflow["url"]), trained.stdout[-2000:]
-        served = stack.enter_context(_served(["serve", "conf/smoke.yaml", *overrides], env, prefect["api"],
+        served = stack.enter_context(_served(["schedule", "conf/smoke.yaml", *overrides], env, prefect["api"],
                                              tmp / "serve.log"))
         yield {"tmp": tmp, "prefect": prefect, "mlflow": mlflow, "run_link": link.group(1), "exp_id": link.group(2),
                "run_id": link.group(3), "deployment_ids": {name: served[name]["id"] for name in ("manual", "retrain")}}
@@ -213,7 +213,7 @@ def test_prefect_ui_lists_the_deployments(uis):
 
     dom = _rendered(url, "prefect-deployments", uis["tmp"], listed)
     assert {"manual", "retrain", "tlt-train"} <= dom.texts, sorted(dom.texts)[:200]
-    for name, dep_id in ids.items():  # each name links to the deployment `tlt serve` registered
+    for name, dep_id in ids.items():  # each name links to the deployment `tlt schedule` registered
         assert (f"/deployments/deployment/{dep_id}", name) in dom.links, (name, dom.links)
 
 

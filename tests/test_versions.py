@@ -13,7 +13,7 @@ from tlt.drafter.refresh import DrafterRefresher
 from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
 from tlt.rl.logprobs import forward_logprobs, make_batch
-from tlt.rl.resume import restore_run_state, save_run_state
+from tlt.rl.resume import restore_run_state, save_run_state, steps_done
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch, TorchUpdater
 from tlt.rollout import RolloutEngine
 from tlt.versions import Synced, bump, version_of
@@ -106,7 +106,7 @@ def test_resume_bumps_policy_and_drafter(tmp_path):
                           engine=SimpleNamespace(state_dict=dict, load_state_dict=lambda s: None), refresher=refresher)
     save_run_state(ctx, 0, tmp_path, keep=1)
     assert version_of(model) == version_of(refresher.drafter) == 0
-    assert restore_run_state(ctx, tmp_path)["step"] == 0
+    assert steps_done(restore_run_state(ctx, tmp_path)) == 1  # folder step-000001: one RL step done
     assert version_of(model) == 1 and version_of(refresher.drafter) == 1
 
 

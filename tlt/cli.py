@@ -21,16 +21,20 @@ from rich.console import Console
 
 from tlt import tracking
 from tlt.config import dump_yaml, load_config, reference_markdown
+from tlt.cli_bench import bench_app
+from tlt.cli_help import HELP, plain_arguments
+from tlt.console import closing_lines, starting_line
 from tlt.errors import UserError, exception_chain
-from tlt.inputs import check_data_file, check_empty_target, check_run_inputs, resolve_run_id
+from tlt.inputs import (check_data_file, check_empty_target, check_prompts, check_run_inputs, finished_run,
+                        resolve_run_id)
+from tlt.provenance import version_line
 from tlt.services import run_uis
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="TLT: RL with speculative rollout and an adaptive drafter.")
-config_app = typer.Typer(no_args_is_help=True, help="Check and show run configs.")
-data_app = typer.Typer(no_args_is_help=True, help="Validate datasets.")
-drafter_app = typer.Typer(no_args_is_help=True, help="Drafter warm-start.")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured in one run).")
-tracking_app = typer.Typer(no_args_is_help=True, help="The MLflow store: send what an outage left unsent.")
+app = typer.Typer(add_completion=False, help="TLT: RL with speculative rollout and an adaptive drafter.", **HELP)
+config_app = typer.Typer(help="Check and show run configs.", **HELP)
+data_app = typer.Typer(help="Validate datasets.", **HELP)
+drafter_app = typer.Typer(help="Drafter warm-start.", **HELP)
+tracking_app = typer.Typer(help="The MLflow store: send what an outage left unsent.", **HELP)
 app.add_typer(config_app, name="config")
 app.add_typer(data_app, name="data")
 app.add_typer(drafter_app, name="drafter")
@@ -39,7 +43,21 @@ app.add_typer(tracking_app, name="tracking")
 err = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
 
-SetOpt = typer.Option(None, "--set", help="Dotted override, e.g. --set rl.steps=3 (repeatable)")
+SetOpt = typer.Option(None, "--set", metavar="KEY=VALUE", help="Dotted override, e.g. --set rl.steps=3 (repeatable)")
+ConfigArg = typer.Argument(..., metavar="CONFIG", help="A run recipe, e.g. conf/default.yaml", show_default=False)
+DeployConfigArg = typer.Argument(Path("conf/default.yaml"), metavar="CONFIG", help="A run recipe")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(version_line())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the tlt version (and git commit) and exit.")) -> None:
+    """TLT: RL with speculative rollout and an adaptive drafter."""
 
 
 def _env_defaults() -> None:
@@ -57,10 +75,13 @@ def _load(config: Path | None, overrides: list[str] | None):
 
 
 @config_app.command("check")
-def config_check(files: list[Path], set_: Optional[list[str]] = SetOpt) -> None:
-    """Exit 0 when every FILE (with overrides) is a valid run config, 2 at the first that is not. Loads
-    no model: keys, values and their cross-checks (placement, precision, backends), and what a Ray
-    run reserves."""
+def config_check(files: list[Path] = typer.Argument(..., metavar="CONFIG...", show_default=False),
+                 set_: Optional[list[str]] = SetOpt) -> None:
+    """Exit 0 when every CONFIG (with overrides) is a valid run config, 2 at the first that is not: keys,
+    values and their cross-checks (placement, precision, backends), what a Ray run reserves, and the
+    checks `tlt run` makes before it starts anything: the data file's rows, the reward function and
+    (where the model is on this machine) the prompt lengths. Settings for hardware this machine lacks
+    (a GPU, vLLM) are not refused here, so GPU recipes check on a laptop."""
     for file in files:
         cfg = _load(file, set_)
         c, ws = cfg.cluster, cfg.trainer.world_size
@@ -69,29 +90,41 @@ def config_check(files: list[Path], set_: Optional[list[str]] = SetOpt) -> None:
             gpus = c.rollout_actors * c.rollout_actor_gpus + (ws > 1) * ws * c.trainer_gpus
             where = (f"; Ray: {c.rollout_actors} {cfg.rollout.backend} rollout actor(s), {ws} trainer rank(s), "
                      f"{c.placement}, {gpus:g} GPU(s)")
-        out.print(f"ok: {file} is valid (model {cfg.model.name_or_path}, {cfg.rl.steps} RL steps{where})", highlight=False)
+        inputs = check_prompts(cfg, strict=False)
+        out.print(f"ok: {file} is valid (model {cfg.model.name_or_path}, {cfg.rl.steps} RL steps{where}); {inputs}",
+                  highlight=False)
 
 
 @config_app.command("show")
-def config_show(file: Optional[Path] = typer.Argument(None), set_: Optional[list[str]] = SetOpt) -> None:
+def config_show(file: Optional[Path] = typer.Argument(None, metavar="CONFIG", show_default=False),
+                set_: Optional[list[str]] = SetOpt) -> None:
     """Print the resolved config (defaults filled in) as YAML."""
     out.print(dump_yaml(_load(file, set_)), markup=False)
 
 
 @config_app.command("reference")
-def config_reference(readme: Optional[Path] = typer.Option(None, help="Rewrite the reference block of this README")) -> None:
-    """Print the config reference table (Markdown), or refresh it inside README.md."""
-    if readme is None:
+def config_reference(write: Optional[Path] = typer.Option(None, "--write", "--readme", metavar="MARKDOWN",
+                                                          help="Rewrite the generated block of this page, e.g. "
+                                                               "docs/configuration.md")) -> None:
+    """Print the config reference (Markdown), or refresh it inside a page (docs/configuration.md) between
+    its `<!-- config-reference:start -->` and `<!-- config-reference:end -->` markers."""
+    if write is None:
         print(reference_markdown())
         return
     start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-    head, rest = readme.read_text().split(start)
+    text = write.read_text() if write.is_file() else ""
+    if start not in text or end not in text:
+        raise UserError(f"--write '{write}' has no `{start}` ... `{end}` block; point it at docs/configuration.md, "
+                        "or add the two markers where the reference belongs")
+    head, rest = text.split(start)
     tail = rest.split(end)[1]
-    readme.write_text(f"{head}{start}\n{reference_markdown()}\n{end}{tail}")
+    write.write_text(f"{head}{start}\n{reference_markdown()}\n{end}{tail}")
 
 
 @data_app.command("validate")
-def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="Recipe whose model tokenizer and limits apply"),
+def data_validate(path: Path = typer.Argument(..., metavar="PATH", show_default=False),
+                  config: Optional[Path] = typer.Option(None, metavar="CONFIG",
+                                                        help="Recipe whose model tokenizer and limits apply"),
                   set_: Optional[list[str]] = SetOpt) -> None:
     """List every bad row (row, column, reason) and exit 2; or print a one-line summary."""
     check_data_file(path)
@@ -104,8 +137,10 @@ def data_validate(path: Path, config: Optional[Path] = typer.Option(None, help="
                            instruction=cfg.data.instruction, system_prompt=cfg.data.system_prompt)
     if report.bad:
         err.print(report.format(), markup=False)
-        err.print(f"{path}: {len(report.bad)} problem(s) in {report.n_rows} rows; fix them, or set data.on_invalid: drop "
-                  "to train on the clean rows (dropped rows are logged).", markup=False)
+        malformed = any(b.column == "(json)" for b in report.bad)  # dropping rows cannot skip an unreadable line
+        fix = ("fix them (malformed lines first: data.on_invalid: drop cannot skip them)" if malformed else
+               "fix them, or set data.on_invalid: drop to train on the clean rows (dropped rows are logged)")
+        err.print(f"{path}: {len(report.bad)} problem(s) in {report.n_rows} rows; {fix}.", markup=False)
         raise typer.Exit(2)
     out.print(report.summary(), markup=False)
 
@@ -136,28 +171,27 @@ def _terminate_cleanly() -> None:
 
 
 @app.command("run")
-def run(config: Path, set_: Optional[list[str]] = SetOpt,
-        resume: Optional[str] = typer.Option(None, help="MLflow run id (or a unique prefix) to continue")) -> None:
+def run(config: Path = ConfigArg, set_: Optional[list[str]] = SetOpt,
+        resume: Optional[str] = typer.Option(None, metavar="RUN_ID",
+                                             help="MLflow run id (or a unique prefix) to continue")) -> None:
     """Run the tlt-train flow on CONFIG."""
     cfg = _load(config, set_)
     _env_defaults()
+    if resume:  # a finished run first: its export folder is full, and that is no error here
+        resume = resolve_run_id(resume, cfg.tracking.tracking_uri, "--resume")
+        if msg := finished_run(resume, cfg.tracking.tracking_uri):
+            out.print(msg, markup=False, highlight=False)
+            return
     resume = check_run_inputs(cfg, resume)  # before Prefect, MLflow, workers or Ray start
+    err.print(f"checked: {check_prompts(cfg)}", markup=False, highlight=False)
     train = importlib.import_module("flows.train")
     _no_user_error_tracebacks()
     _terminate_cleanly()
     _sync_quietly(cfg.tracking.tracking_uri)
+    err.print(starting_line(cfg, resume), markup=False, highlight=False)
     result = train.tlt_train(config=cfg, resume=resume)
-    ev, ex = result["eval"], result.get("export")
-    line = f"held-out accuracy {ev['accuracy']:.3f} at step {ev['step']} ({ev['n']} prompts)"
-    if ev.get("accept_len"):
-        line += f", accept length {ev['accept_len']:.2f}"
-    if ex:
-        line += f"; drafter exported to {ex['path']}" + (f" (tlt-drafter version {ex['version']})" if ex.get("version") else "")
-    out.print(line, markup=False, highlight=False)
-    link = tracking.run_link(result["run_id"], cfg.tracking.tracking_uri)
-    where = f"open {link}" if link else f"open the experiment '{cfg.tracking.experiment}'"
-    local = not tracking.default_tracking_uri(cfg.tracking.tracking_uri).startswith(("http://", "https://"))
-    out.print(f"done: MLflow run {result['run_id']}  ({'make ui, then ' if local else ''}{where})")
+    for line in closing_lines(result, cfg):
+        out.print(line, markup=False, highlight=False)
     _exit_if_unsent(result["run_id"], cfg.tracking.tracking_uri)
 
 
@@ -237,45 +271,6 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
         pipe.close()
 
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-BENCH_HELPERS = {"harness", "render", "trl_grpo"}  # bench/ modules that are not suites
-
-
-def bench_suites() -> dict[str, str]:
-    """Suite name -> its one-line description: every bench/*.py with a main(), helpers excepted."""
-    import ast
-
-    out = {}
-    for path in sorted(BENCH_DIR.glob("*.py")) if BENCH_DIR.is_dir() else []:
-        if path.stem in BENCH_HELPERS:
-            continue
-        tree = ast.parse(path.read_text())
-        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            out[path.stem] = (ast.get_docstring(tree) or "").strip().splitlines()[0] if ast.get_docstring(tree) else ""
-    return out
-
-
-@bench_app.command("list")
-def bench_list() -> None:
-    """The benchmark suites; run one with `tlt bench SUITE CONFIG ...` (`tlt bench SUITE --help` lists its options)."""
-    for name, doc in bench_suites().items():
-        out.print(f"{name:<14} {doc}", highlight=False, markup=False)
-
-
-def _bench_command(name: str):
-    def command(ctx: typer.Context) -> None:
-        _env_defaults()
-        sys.path.insert(0, str(BENCH_DIR))
-        harness = importlib.import_module("harness")  # deferred: numpy, and the suites pull in torch
-        harness.load(name).main(list(ctx.args))
-    return command
-
-
-for _name, _doc in bench_suites().items():  # `tlt bench SUITE ARGS...` passes ARGS to bench/SUITE.py's parser
-    bench_app.command(_name, help=f"{_doc} (options: tlt bench {_name} --help)", add_help_option=False,
-                      context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(_bench_command(_name))
-
-
 @app.command("export")
 def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id of a tlt-train run"),
            checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run's checkpoint (or run) folder"),
@@ -311,10 +306,12 @@ def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id 
 
 
 @app.command("compare")
-def compare(run_ids: Optional[list[str]] = typer.Argument(None),
-            experiment: Optional[str] = typer.Option(None, "--experiment", help="Compare the newest runs of this experiment"),
-            out_png: Optional[Path] = typer.Option(None, "--out", help="Write the comparison plot (PNG)")) -> None:
-    """Compare runs: accept length, tokens/s, SD speedup, accuracy, reward, step time, drafter share."""
+def compare(run_ids: Optional[list[str]] = typer.Argument(None, metavar="RUN_ID...", show_default=False),
+            experiment: Optional[str] = typer.Option(None, "--experiment", metavar="NAME",
+                                                     help="Compare the newest runs of this experiment"),
+            out_png: Optional[Path] = typer.Option(None, "--out", metavar="PNG", help="Write the comparison plot (PNG)")) -> None:
+    """Compare runs: accuracy, reward, held-out and live accept lengths, rollout and step tokens/s, step
+    time, the drafter's refreshes and share of the step (names: docs/tracking.md)."""
     from tlt.compare import compare_command  # deferred: matplotlib, pandas
 
     if out_png is not None and not out_png.parent.is_dir():
@@ -324,36 +321,49 @@ def compare(run_ids: Optional[list[str]] = typer.Argument(None),
 
 
 @app.command("deploy")
-def deploy(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Optional[list[str]] = SetOpt) -> None:
+def deploy(config: Path = DeployConfigArg, set_: Optional[list[str]] = SetOpt) -> None:
     """Register tlt-train/manual and tlt-train/retrain (cron from deploy.cron) with the Prefect API."""
     cfg = _load(config, set_)
     _env_defaults()
     check_run_inputs(cfg)
     ids = importlib.import_module("flows.deploy").apply_deployments(cfg)
     out.print(f"registered tlt-train/manual and tlt-train/retrain (cron '{cfg.deploy.cron}'): {', '.join(ids)}")
-    out.print("run them with: tlt serve " + str(config))
+    out.print("run them with: tlt schedule " + str(config))
 
 
-@app.command("serve")
-def serve(config: Path = typer.Argument(Path("conf/default.yaml")), set_: Optional[list[str]] = SetOpt,
-          limit: Optional[int] = typer.Option(None, help="Concurrent runs")) -> None:
-    """Serve the deployments: runs triggered from the UI or by the schedule execute here."""
+@app.command("schedule")
+def schedule(config: Path = DeployConfigArg, set_: Optional[list[str]] = SetOpt,
+             limit: Optional[int] = typer.Option(None, metavar="N", help="Concurrent runs")) -> None:
+    """Register the deployments and execute their runs here: those triggered from the Prefect UI and
+    those of the cron schedule (deploy.cron). Runs until stopped."""
     cfg = _load(config, set_)
     _env_defaults()
     check_run_inputs(cfg)
     importlib.import_module("flows.deploy").serve_deployments(cfg, limit=limit)
 
 
+@app.command("serve", hidden=True)
+def serve(config: Path = DeployConfigArg, set_: Optional[list[str]] = SetOpt,
+          limit: Optional[int] = typer.Option(None, metavar="N", help="Concurrent runs")) -> None:
+    """The former name of `tlt schedule` (kept so that scripts keep working)."""
+    err.print("warning: `tlt serve` is now `tlt schedule` (it executes Prefect deployments; serving a model is "
+              "`vllm serve`, see docs/export.md); `tlt serve` will be removed.", markup=False, highlight=False)
+    schedule(config, set_, limit)
+
+
 @app.command("ui")
-def ui(prefect_port: int = 4200, mlflow_port: int = 5000, host: str = "127.0.0.1") -> None:
-    """Start the Prefect server and the MLflow UI (Ctrl-C stops both)."""
+def ui(prefect_port: int = typer.Option(4200, metavar="PORT"), mlflow_port: int = typer.Option(5000, metavar="PORT"),
+       host: str = typer.Option("127.0.0.1", metavar="HOST")) -> None:
+    """Start the Prefect server and the MLflow UI (Ctrl-C or SIGTERM stops both)."""
     _env_defaults()
     run_uis(host, prefect_port, mlflow_port)
 
 
 def main() -> None:
+    command = typer.main.get_command(app)
+    plain_arguments(command)
     try:
-        rc = app(standalone_mode=False)  # returns Exit codes instead of raising in this mode
+        rc = command(standalone_mode=False)  # returns Exit codes instead of raising in this mode
         if rc in (130, 143):  # interrupted (Prefect turns SIGTERM into a crashed flow run, then 130)
             err.print("interrupted; a `tlt run` continues with `--resume <run id>`", highlight=False)
         sys.exit(rc if isinstance(rc, int) else 0)

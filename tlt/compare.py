@@ -1,8 +1,9 @@
 """`tlt compare`: runs side by side, as a table and a grid of curves.
 
 Reads MLflow through `tlt.tracking` only. Every number is computed from the stepped metric
-histories with the project's metric names (docs/tracking.md: What a run produces), so runs of any recipe compare; a metric a run never logged
-is NaN in the table and no line in the plot, never an error.
+histories with the project's metric names and vocabulary (docs/tracking.md: What a run produces;
+held-out vs live accept length, rollout vs step tokens/s), so runs of any recipe compare; a metric
+a run never logged is NaN in the table and no line in the plot, never an error.
 """
 from __future__ import annotations
 
@@ -16,20 +17,37 @@ from rich.console import Console
 from rich.table import Table
 
 from tlt import tracking
+from tlt.console import DRAFTER_KEYS, rows_by_step, trained_steps
 from tlt.errors import UserError
 from tlt.inputs import resolve_run_id
 from tlt.plots import axis_label, draw_curves, new_figure
 
 SHORT = 8  # characters of a run id shown in tables and legends
-KEYS = ("spec/accept_len/mean", "rollout/tokens_per_s", "perf/tokens_per_s", "perf/step_speedup_vs_plain",
-        "eval/accuracy", "reward/mean", "timing_s/step", "timing_s/update_drafter")
-PLOTTED = ("reward/mean", "eval/accuracy", "spec/accept_len/mean", "timing_s/step")
+DRAFTER_SHARE = "drafter share"  # a derived series: timing_s/update_drafter / timing_s/step per step
+# The plot's panels: title -> the metric drawn (docs/tracking.md names them the same way).
+PANELS = {
+    "reward": "reward/mean",
+    "held-out accuracy": "eval/accuracy",
+    "held-out accept length (fixed chain, greedy)": "eval/accept_len",
+    "live accept length (rollout)": "spec/accept_len/mean",
+    "rollout tokens/s": "rollout/tokens_per_s",
+    "step tokens/s": "perf/tokens_per_s",
+    "RL step time": "timing_s/step",
+    "drafter share of the step": DRAFTER_SHARE,
+}
+KEYS = ("reward/mean", "eval/accuracy", "eval/accept_len", "eval/accept_len_sampled", "spec/accept_len/mean",
+        "rollout/tokens_per_s", "perf/tokens_per_s", "timing_s/step", "timing_s/update_drafter",
+        "drafter/refresh_decision", "drafter/spot_steps", "drafter/steps")
 # column -> (header, format); NaN prints as "-"
 COLUMNS = {
     "run": ("run", "{}"), "name": ("name", "{}"), "status": ("status", "{}"),
-    "accept_len": ("accept len", "{:.2f}"), "tokens_per_s": ("tokens/s", "{:.1f}"),
-    "sd_speedup": ("SD speedup", "{:.2f}x"), "accuracy": ("accuracy", "{:.3f}"), "reward": ("reward", "{:.3f}"),
-    "step_time_s": ("step time s", "{:.2f}"), "drafter_share": ("drafter share", "{:.1%}"), "steps": ("steps", "{:d}"),
+    "accuracy": ("held-out accuracy", "{:.3f}"), "reward": ("reward", "{:.3f}"),
+    "accept_len_heldout": ("held-out accept len (greedy)", "{:.2f}"),
+    "accept_len_heldout_sampled": ("held-out accept len (sampled)", "{:.2f}"),
+    "accept_len_live": ("live accept len", "{:.2f}"),
+    "rollout_tokens_per_s": ("rollout tok/s", "{:.1f}"), "step_tokens_per_s": ("step tok/s", "{:.1f}"),
+    "step_time_s": ("step time s", "{:.2f}"), "refreshes": ("drafter refreshes", "{:d}"),
+    "drafter_share": ("drafter share", "{:.1%}"), "steps": ("steps", "{:d}"),
 }
 
 
@@ -45,24 +63,44 @@ def _mean(points: list[tuple[int, float]]) -> float:
     return sum(_values(points)) / len(points) if points else math.nan
 
 
+def drafter_share(hist: dict[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """Per step: the drafter's update time over the step time (steps that logged both)."""
+    step_s = dict(hist.get("timing_s/step", []))
+    return [(s, v / step_s[s]) for s, v in hist.get("timing_s/update_drafter", []) if step_s.get(s)]
+
+
+def refreshes(hist: dict[str, list[tuple[int, float]]]) -> float:
+    """RL steps in which the drafter trained (tlt.console's count; NaN: the run logged no decisions)."""
+    rows = rows_by_step({k: hist.get(k, []) for k in DRAFTER_KEYS})
+    decided = [r for r in rows if "drafter/refresh_decision" in r]
+    if not decided:
+        return math.nan
+    return float(sum(r["drafter/refresh_decision"] > 0 and trained_steps(r, p) != 0
+                     for p, r in zip([None, *decided[:-1]], decided)))
+
+
 def summarize(hist: dict[str, list[tuple[int, float]]]) -> dict[str, float | int]:
     """Table numbers of one run from its metric histories (see KEYS); pure, for tests and reuse.
 
-    Last value for quality metrics (accept length, accuracy, reward), mean over steps for speed
-    (tokens/s, SD speedup, step time); drafter share = sum(update_drafter) / sum(step), NaN when
-    either was never logged.
+    Last value for quality (accuracy, reward, the held-out accept lengths of the last evaluation);
+    mean over the RL steps for the live accept length, throughput and step time; drafter share =
+    sum(update_drafter) / sum(step), NaN when either was never logged. Nothing is computed from a
+    metric the run did not log (there is no SD speedup column: a run logs no plain-decoding
+    baseline; `tlt bench` measures that ratio).
     """
     step_total = sum(_values(hist.get("timing_s/step", [])))
     drafter = hist.get("timing_s/update_drafter", [])
-    tokens = hist.get("rollout/tokens_per_s") or hist.get("perf/tokens_per_s", [])
     counted = hist.get("timing_s/step") or hist.get("reward/mean", [])
     return {
-        "accept_len": _last(hist.get("spec/accept_len/mean", [])),
-        "tokens_per_s": _mean(tokens),
-        "sd_speedup": _mean(hist.get("perf/step_speedup_vs_plain", [])),
         "accuracy": _last(hist.get("eval/accuracy", [])),
         "reward": _last(hist.get("reward/mean", [])),
+        "accept_len_heldout": _last(hist.get("eval/accept_len", [])),
+        "accept_len_heldout_sampled": _last(hist.get("eval/accept_len_sampled", [])),
+        "accept_len_live": _mean(hist.get("spec/accept_len/mean", [])),
+        "rollout_tokens_per_s": _mean(hist.get("rollout/tokens_per_s", [])),
+        "step_tokens_per_s": _mean(hist.get("perf/tokens_per_s", [])),
         "step_time_s": _mean(hist.get("timing_s/step", [])),
+        "refreshes": refreshes(hist),
         "drafter_share": sum(_values(drafter)) / step_total if drafter and step_total > 0 else math.nan,
         "steps": len(counted),
     }
@@ -97,14 +135,18 @@ def compare_runs(run_ids: list[str], uri: str | None = None) -> pd.DataFrame:
 
 
 def compare_plot(run_ids: list[str], uri: str | None = None) -> Figure:
-    """2x2 grid: reward/mean, eval/accuracy, spec/accept_len/mean and timing_s/step vs step,
-    one line per run labelled "name (short id)"."""
+    """2x4 grid, one panel per PANELS entry (reward, held-out accuracy, held-out and live accept
+    length, rollout and step tokens/s, step time, drafter share) vs RL step, one line per run
+    labelled "name (short id)"."""
     ids = resolve_run_ids(run_ids, uri)
     labels = {rid: f"{tracking.read_run(rid, uri)['name'] or 'run'} ({rid[:SHORT]})" for rid in ids}
-    hists = {rid: tracking.metric_histories(rid, list(PLOTTED), uri) for rid in ids}
-    fig, axes = new_figure(width=11, height=7, nrows=2, ncols=2)
-    for ax, key in zip(axes.flat, PLOTTED):
-        draw_curves(ax, {labels[rid]: hists[rid][key] for rid in ids}, key, axis_label(key))
+    hists = {rid: tracking.metric_histories(rid, list(KEYS), uri) for rid in ids}
+    for h in hists.values():
+        h[DRAFTER_SHARE] = drafter_share(h)
+    fig, axes = new_figure(width=16, height=7, nrows=2, ncols=4)
+    for ax, (title, key) in zip(axes.flat, PANELS.items()):
+        ylabel = "fraction of the step" if key == DRAFTER_SHARE else axis_label(key)
+        draw_curves(ax, {labels[rid]: hists[rid][key] for rid in ids}, title, ylabel)
     fig.suptitle(f"Run comparison ({len(ids)} runs)")
     return fig
 
@@ -120,11 +162,11 @@ def format_table(df: pd.DataFrame) -> str:
     table = Table(show_lines=False)
     cols = [c for c in COLUMNS if c in df.columns]
     for c in cols:
-        table.add_column(COLUMNS[c][0], justify="left" if c in ("run", "name", "status") else "right")
+        table.add_column(COLUMNS[c][0], justify="left" if c in ("run", "name", "status") else "right", no_wrap=True)
     for _, row in df.iterrows():
         table.add_row(*(_cell(row[c], COLUMNS[c][1]) for c in cols))
     buf = io.StringIO()
-    Console(file=buf, width=200, color_system=None, force_terminal=False).print(table)
+    Console(file=buf, width=400, color_system=None, force_terminal=False).print(table)
     return buf.getvalue().rstrip("\n")
 
 

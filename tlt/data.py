@@ -77,12 +77,25 @@ def read_rows(path: str | Path) -> pd.DataFrame:
     The frame keeps Python values (dtype object) so that validation sees what the file holds:
     a number where a string belongs is reported, not silently stringified.
     """
+    df, malformed = read_rows_lenient(path)
+    if malformed:
+        listed = "\n".join(f"  line {b.row}: {b.reason}" for b in malformed[:MAX_LISTED])
+        more = f"\n  ... and {len(malformed) - MAX_LISTED} more" if len(malformed) > MAX_LISTED else ""
+        raise DataError(f"data file '{path}' has {len(malformed)} malformed line(s) (lines "
+                        f"{', '.join(str(b.row) for b in malformed)}):\n{listed}{more}\n"
+                        "fix them so that each line is one JSON object", malformed)
+    return df
+
+
+def read_rows_lenient(path: str | Path) -> tuple[pd.DataFrame, list[BadRow]]:
+    """`read_rows`, but JSON lines that are malformed or not objects come back as `BadRow`s next to
+    the rows that parsed, so `tlt data validate` lists them together with every row problem."""
     p = check_data_file(path)
     readers = {".jsonl": _read_json, ".json": _read_json, ".parquet": _read_parquet}
-    rows, records = readers[p.suffix.lower()](p)
-    if not records:
+    rows, records, malformed = readers[p.suffix.lower()](p)
+    if not records and not malformed:
         raise DataError(f"data file '{p}' holds no rows; add one JSON object per line with prompt and answer")
-    return pd.DataFrame(records, index=pd.Index(rows, name="row"), dtype=object)
+    return pd.DataFrame(records, index=pd.Index(rows, name="row"), dtype=object), malformed
 
 
 def _decode(p: Path) -> str:
@@ -95,7 +108,7 @@ def _decode(p: Path) -> str:
                         f"(line {line}); re-save the file as UTF-8") from None
 
 
-def _read_json(p: Path) -> tuple[list[int], list[dict]]:
+def _read_json(p: Path) -> tuple[list[int], list[dict], list[BadRow]]:
     text = _decode(p)
     if text.lstrip().startswith("["):
         return _read_json_array(p, text)
@@ -114,27 +127,23 @@ def _read_json(p: Path) -> tuple[list[int], list[dict]]:
             continue
         rows.append(n)
         records.append(obj)
-    if bad:
-        listed = "\n".join(f"  line {b.row}: {b.reason}" for b in bad[:MAX_LISTED])
-        more = f"\n  ... and {len(bad) - MAX_LISTED} more" if len(bad) > MAX_LISTED else ""
-        raise DataError(f"data file '{p}' has {len(bad)} malformed line(s) (lines "
-                        f"{', '.join(str(b.row) for b in bad)}):\n{listed}{more}\n"
-                        "fix them so that each line is one JSON object", bad)
-    return rows, records
+    return rows, records, bad
 
 
-def _read_json_array(p: Path, text: str) -> tuple[list[int], list[dict]]:
+def _read_json_array(p: Path, text: str) -> tuple[list[int], list[dict], list[BadRow]]:
     """A .json file holding one array of objects; row numbers are 1-based item positions."""
     try:
         items = json.loads(text)
     except json.JSONDecodeError as err:
         raise DataError(f"data file '{p}' is not valid JSON: {err.msg} at line {err.lineno}, "
                         f"column {err.colno}; fix it or write one JSON object per line (.jsonl)") from None
-    bad = [i for i, x in enumerate(items, 1) if not isinstance(x, dict)]
-    if bad:
-        raise DataError(f"data file '{p}': items {bad} of the JSON array are not objects",
-                        [BadRow(i, "(json)", "expected a JSON object") for i in bad])
-    return list(range(1, len(items) + 1)), items
+    if not isinstance(items, list):
+        raise DataError(f"data file '{p}' holds one JSON {type(items).__name__}, not an array of objects; write one "
+                        "JSON object per line (.jsonl)")
+    ok = [(i, x) for i, x in enumerate(items, 1) if isinstance(x, dict)]
+    bad = [BadRow(i, "(json)", f"expected a JSON object, got {type(x).__name__}")
+           for i, x in enumerate(items, 1) if not isinstance(x, dict)]
+    return [i for i, _ in ok], [x for _, x in ok], bad
 
 
 def _read_parquet(p: Path) -> tuple[list[int], list[dict]]:
@@ -149,7 +158,7 @@ def _read_parquet(p: Path) -> tuple[list[int], list[dict]]:
     index_cols = (table.schema.pandas_metadata or {}).get("index_columns", [])
     table = table.drop_columns([c for c in index_cols if isinstance(c, str) and c in table.column_names])
     records = table.to_pylist()  # Python values, like the JSON path (no int -> float upcasting)
-    return list(range(1, len(records) + 1)), records
+    return list(range(1, len(records) + 1)), records, []
 
 
 # ---------------------------------------------------------------- generation
@@ -239,10 +248,11 @@ def _token_counts(tokenizer, prompts: list[str], instruction: str, system_prompt
 
 # ---------------------------------------------------------------- validation
 def _with_defaults(df: pd.DataFrame) -> pd.DataFrame:
-    """Fill the optional columns of user files: id = row number, task = custom, meta = {}."""
+    """Fill the optional columns of user files where a row leaves them empty: id = row number, task =
+    custom, meta = {}."""
     out = df.copy()
-    if "id" not in out:
-        out["id"] = [str(r) for r in out.index]
+    ids = out["id"] if "id" in out else [None] * len(out)
+    out["id"] = [str(r) if is_missing(i) else i for r, i in zip(out.index, ids)]  # a partly filled id column too
     if "difficulty" not in out:
         out["difficulty"] = None
     out["task"] = [CUSTOM_TASK if is_missing(t) or t == "" else t
@@ -307,7 +317,14 @@ def validate_file(path: str | Path, tokenizer=None, max_prompt_tokens: int | Non
     """
     if instruction is None:
         instruction = DataConfig().instruction
-    return validate_rows(read_rows(path), tokenizer, max_prompt_tokens, instruction, system_prompt)
+    df, malformed = read_rows_lenient(path)
+    if df.empty:  # every line malformed: nothing else to check
+        return ValidationReport(n_rows=len(malformed), bad=malformed, clean=PromptSchema.validate(
+            pd.DataFrame(columns=PROMPT_COLUMNS)))
+    report = validate_rows(df, tokenizer, max_prompt_tokens, instruction, system_prompt)
+    report.bad = sorted(malformed + report.bad, key=lambda b: b.row)
+    report.n_rows += len(malformed)
+    return report
 
 
 # ---------------------------------------------------------------- loading

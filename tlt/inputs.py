@@ -219,3 +219,44 @@ def check_resume_config(cfg, run_id: str) -> None:
         raise UserError(f"--resume {run_id}: the run started with other settings ({'; '.join(changed[:5])}"
                         f"{'; ...' if len(changed) > 5 else ''}). Resume with the config it started with (saved as "
                         f"{cfg.trainer.checkpoint_dir}/{run_id}/config.yaml), or start a new run without --resume.")
+
+
+# ---------------------------------------------------------------- prompts and reward, loaded
+def check_prompts(cfg, strict: bool = True) -> str:
+    """Load the model's tokenizer and the run's prompts (data.path or data.generators), validate every
+    row as the data stage will, then score the gold answers with a user reward function. `tlt run`
+    calls it before Prefect and MLflow start, so a bad file or reward stops the command with its
+    paragraph and leaves no run behind; `tlt config check` calls it with `strict` off, where a model
+    this machine does not have (a GPU recipe on a laptop) skips the prompt-length check instead of
+    failing. Returns a one-line summary."""
+    from tlt.data import load_dataset  # deferred: pandas, reasoning-gym
+    from tlt.preflight import check_reward_fn  # deferred: imports the reward functions
+
+    tokenizer = None
+    try:
+        check_model(cfg.model.name_or_path)
+    except ModelError:
+        if strict:
+            raise
+    else:
+        from tlt.models import load_tokenizer  # deferred: torch, transformers
+
+        tokenizer = load_tokenizer(cfg.model)
+    ds = load_dataset(cfg.data, tokenizer)
+    check_reward_fn(cfg, ds.train.head(4))
+    dropped = f", {len(ds.dropped)} invalid rows dropped" if len(ds.dropped) else ""
+    limit = "" if tokenizer is not None else "; prompt lengths not checked (the model is not on this machine)"
+    return (f"{len(ds.train) + len(ds.heldout)} valid prompts from {cfg.data.path or 'data.generators'}{dropped}, "
+            f"reward {cfg.rl.reward}{limit}")
+
+
+def finished_run(run_id: str, uri: str | None = None) -> str | None:
+    """The message for `--resume` of a run that already finished (None when it did not): resuming it
+    would only repeat its warm-start, evaluation and export."""
+    info = tracking.read_run(run_id, uri)
+    if info["status"] != "FINISHED":
+        return None
+    acc = info["metrics"].get("eval/accuracy")
+    result = f" (held-out accuracy {acc:.3f})" if acc is not None else ""
+    return (f"run {run_id} has finished{result}; there is nothing to resume, and nothing was started. See it with "
+            f"`tlt compare {run_id[:8]}`; start a new run without --resume to train again.")

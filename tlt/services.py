@@ -61,10 +61,25 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+class _Stop(Exception):
+    """SIGTERM or SIGHUP while `tlt ui` waits: leave the wait and stop both servers (their own process
+    groups do not receive the signal the terminal or a supervisor sends to `tlt ui`)."""
+
+
+def _stop_on_signals() -> dict:
+    def handler(signum, frame):
+        raise _Stop(signal.Signals(signum).name)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+
+
 def run_uis(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int = 5000) -> None:
-    """Start both UIs, print their URLs, and stop both cleanly on Ctrl-C."""
+    """Start both UIs, print their URLs, and stop both on Ctrl-C (SIGINT), SIGTERM or SIGHUP."""
     Path(".cache").mkdir(exist_ok=True)
     log = open(".cache/ui.log", "ab")
+    previous = _stop_on_signals()
+    print(f"starting the Prefect server (:{prefect_port}) and the MLflow UI (:{mlflow_port}), ~10-20 s; "
+          "their log: .cache/ui.log", flush=True)
     procs = [start_prefect(host, prefect_port, log), start_mlflow(host, mlflow_port, log)]
     try:
         ok_p = wait_http(f"http://{host}:{prefect_port}/api/health")
@@ -72,12 +87,15 @@ def run_uis(host: str = "127.0.0.1", prefect_port: int = 4200, mlflow_port: int 
         print(f"Prefect UI: http://{host}:{prefect_port}   {'ready' if ok_p else 'NOT ready, see .cache/ui.log'}")
         print(f"MLflow UI:  http://{host}:{mlflow_port}   {'ready' if ok_m else 'NOT ready, see .cache/ui.log'}")
         print(f"Point runs at this Prefect server with: export PREFECT_API_URL=http://{host}:{prefect_port}/api")
-        print("Ctrl-C stops both.")
+        print("Ctrl-C stops both.", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(1)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stop):
         pass
     finally:
+        for sig, handler in previous.items():  # a second signal during the stop kills at once
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         for p in procs:
             stop(p)
-        print("stopped Prefect and MLflow")
+        log.close()
+        print("stopped Prefect and MLflow", flush=True)

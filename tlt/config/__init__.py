@@ -12,8 +12,8 @@ from tlt.config.loading import (
     dump_yaml,
     flatten,
     load_config,
-    reference_markdown,
 )
+from tlt.config.reference import reference_markdown
 from tlt.config.stages import (
     ClusterConfig,
     DataConfig,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -117,35 +117,3 @@ def flatten(cfg: RunConfig) -> dict[str, str]:
 
     walk(cfg.model_dump(mode="json"), "")
     return out
-
-
-def _type_name(ann: Any) -> str:
-    if getattr(ann, "__origin__", None) is Literal:
-        return " / ".join(repr(a) for a in ann.__args__)
-    if getattr(ann, "__origin__", None) is Union:  # with a Literal member (bool | Literal['auto'])
-        return " | ".join(_type_name(a) for a in ann.__args__)
-    return getattr(ann, "__name__", str(ann)).replace("typing.", "")
-
-
-def reference_markdown() -> str:
-    """The config reference table of docs/configuration.md (kept in sync by a test)."""
-    rows = ["| key | type | default | description |", "|---|---|---|---|"]
-
-    def walk(model: type[BaseModel], prefix: str) -> None:
-        for name, field in model.model_fields.items():
-            ann = field.annotation
-            if isinstance(ann, type) and issubclass(ann, BaseModel):
-                walk(ann, f"{prefix}{name}.")
-                continue
-            default = field.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):
-                default = default.model_dump()
-            if isinstance(default, list):
-                default = [d.model_dump() if isinstance(d, BaseModel) else d for d in default]
-            tname = _type_name(ann).replace("|", "\\|")
-            desc = (field.description or "").replace("|", "\\|")
-            shown = repr(default).replace("|", "\\|")
-            rows.append(f"| `{prefix}{name}` | {tname} | `{shown}` | {desc} |")
-
-    walk(RunConfig, "")
-    return "\n".join(rows)

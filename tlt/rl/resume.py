@@ -23,14 +23,21 @@ def _crash_point(write, step: int):
     return run
 
 
+def steps_done(state: dict) -> int:
+    """RL steps a checkpoint's state has completed. Its folder, `step-NNNNNN`, carries the same count
+    (RL steps are counted from 1 in messages, metrics, Prefect task names and folders); checkpoints
+    written before that convention named the 0-based index of their last step and lack the key."""
+    return int(state["steps_done"]) if "steps_done" in state else int(state["step"]) + 1
+
+
 def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None) -> Path:
-    """Checkpoint after RL step `step`: policy + optimizer, sampler cursor, RNG states, the engine's
+    """Checkpoint after RL step `step` (0-based index; the folder is `step-{step + 1:06d}`): policy + optimizer, sampler cursor, RNG states, the engine's
     `state_dict()` under "engine" (its bandit, where it holds one), the drafter refresher's
     `state_dict()` (trainable weights, optimizer, buffer, RNG), `extra` (e.g. the step's metrics,
     which the pipeline logs after the save: see `checkpoint_metrics`)."""
     tensors = {"policy": ctx.model.state_dict()}
     blobs = {"policy_optim": _crash_point(torch_blob(ctx.updater.state_dict()), step)}
-    state = {"step": step, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
+    state = {"steps_done": step + 1, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
     engine = ctx.engine.state_dict()
     if engine:
         state["engine"] = engine
@@ -38,7 +45,7 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
         refresher = ctx.refresher.state_dict()
         tensors["drafter"] = refresher.pop("drafter")
         blobs["refresher"] = torch_blob(refresher)
-    path = save_checkpoint(root, step, tensors, state, blobs, keep=keep)
+    path = save_checkpoint(root, step + 1, tensors, state, blobs, keep=keep)
     fault("checkpointed", step)
     return path
 
@@ -77,4 +84,4 @@ def checkpoint_metrics(state: dict | None) -> tuple[int, dict[str, float]] | Non
     logs a step's metrics after its checkpoint, so a crash in between leaves them only here."""
     if not state or not state.get("metrics"):
         return None
-    return state["step"] + 1, {k: float(v) for k, v in state["metrics"].items()}
+    return steps_done(state), {k: float(v) for k, v in state["metrics"].items()}

@@ -8,6 +8,7 @@ from tlt.checkpoint import load_checkpoint
 from tlt.config import RunConfig
 from tlt.evaluate import evaluate as evaluate_heldout
 from tlt.rl.protocols import Engine
+from tlt.rl.resume import steps_done
 from tlt.rl.rewards import get_reward_fn
 from tlt.summaries import EvalSummary
 from tlt.versions import bump
@@ -62,4 +63,4 @@ def load_weights(model, drafter, checkpoint: str | Path) -> int:
         drafter.load_state_dict(tensors["drafter"], strict=True)
     for module in (model, drafter):
         bump(module)  # the engines sync by version
-    return int(state["step"]) + 1
+    return steps_done(state)

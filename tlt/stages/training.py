@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from tlt.report import RunRecord
-from tlt.rl.resume import checkpoint_metrics, restore_run_state, save_run_state
+from tlt.rl.resume import checkpoint_metrics, restore_run_state, save_run_state, steps_done
 from tlt.rl.step import StepContext
 from tlt.rl.step import rl_step as run_rl_step
 from tlt.summaries import StepSummary
@@ -20,8 +20,8 @@ def resume(ctx: StepContext, run_dir: Path, tracker) -> int:
         tracker.log_metrics(logged[1], step=logged[0])
     if state is not None and state["corrupt_skipped"]:  # newer checkpoints failed their checksums
         tracker.log_metrics({"checkpoint/corrupt_skipped": float(len(state["corrupt_skipped"]))},
-                            step=state["step"] + 1)
-    return 0 if state is None else state["step"] + 1
+                            step=steps_done(state))
+    return 0 if state is None else steps_done(state)
 
 
 def rl_step(ctx: StepContext, step: int, run_dir: Path, tracker, record: RunRecord) -> tuple[StepSummary, Path | None]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import mlflow
 import pandas as pd
+from mlflow.data.dataset_source_registry import get_dataset_source_from_json
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 from mlflow.tracking import MlflowClient
@@ -49,6 +50,16 @@ def open_experiment(client: MlflowClient, name: str) -> str:
     if EXPERIMENT_KIND not in exp.tags:
         client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND, TRAINING_KIND)
     return exp.experiment_id
+
+
+def dataset_source(source: str):
+    """A local path as MLflow's `local` dataset source; URIs with a scheme stay as they are. MLflow
+    resolves a raw path string against every registered source, matches its two registrations of
+    local files (the '' and 'file' schemes) and warns "can be interpreted in multiple ways" on
+    every run; naming the source type leaves nothing to guess."""
+    if "://" in source:
+        return source
+    return get_dataset_source_from_json(json.dumps({"uri": Path(source).resolve().as_uri()}), source_type="local")
 
 
 class MlflowTracker(SpoolSender, NullTracker):
@@ -142,7 +153,7 @@ class MlflowTracker(SpoolSender, NullTracker):
         profile, source), with `mlflow.data.context` = context and extra tags. Best effort: a store
         outage logs a warning instead (the dataset is a record, not a result)."""
         try:
-            ds = mlflow.data.from_pandas(df, source=source, name=name, digest=digest)
+            ds = mlflow.data.from_pandas(df, source=dataset_source(source), name=name, digest=digest)
             itags = [InputTag("mlflow.data.context", context)] + [InputTag(k, str(v)) for k, v in (tags or {}).items()]
             self.client.log_inputs(self.run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), tags=itags)])
         except Exception as err:  # noqa: BLE001 - see docstring
