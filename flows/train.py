@@ -17,7 +17,8 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
     """Train a policy with speculative rollout and an adaptive drafter; every stage is tracked in MLflow.
 
     `resume`: an MLflow run id to continue from its last checkpoint. `retrain`: start from the
-    registry's champion policy and drafter, promote the new drafter only if it accepts no less.
+    registry's champion policy and drafter, promote the new version only if neither the policy's
+    held-out accuracy nor the drafter's accept length dropped.
     """
     try:
         run_id = stages.start_run(config, resume, retrain)
@@ -39,7 +40,7 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
         final = stages.evaluate(run_id, config.rl.steps)
         stages.report(run_id)
         export = None
-        if config.export.enabled and config.rollout.drafter == "eagle":
+        if config.export.enabled:
             export = stages.export_drafter(run_id, final)
             if retrain:
                 stages.promote(run_id, export)

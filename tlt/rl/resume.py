@@ -7,12 +7,15 @@ refresher's RNG are saved too, not only the weights and optimizers.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from tlt.checkpoint import (capture_rng, load_checkpoint, load_pt, newest_verified, restore_rng, save_checkpoint,
-                            torch_blob)
+from tlt.checkpoint import (capture_rng, drop_blobs, load_checkpoint, load_pt, newest_verified, restore_rng,
+                            save_checkpoint, torch_blob)
 from tlt.faults import fault
 from tlt.versions import bump
+
+log = logging.getLogger(__name__)
 
 
 def _crash_point(write, step: int):
@@ -39,6 +42,7 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
         tensors["drafter"] = refresher.pop("drafter")
         blobs["refresher"] = torch_blob(refresher)
     path = save_checkpoint(root, step, tensors, state, blobs, keep=keep)
+    drop_blobs(root, {"policy_optim"}, ctx.cfg.trainer.optimizer_keep)  # 2x the policy's size, read by a resume only
     fault("checkpointed", step)
     return path
 
@@ -55,7 +59,11 @@ def restore_run_state(ctx, root: Path) -> dict | None:
     state["corrupt_skipped"] = [p.name for p in skipped]
     ctx.model.load_state_dict(tensors["policy"], strict=True)
     bump(ctx.model)  # the refresher's load bumps the drafter
-    ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
+    if "policy_optim" in pts:
+        ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
+    else:  # an older checkpoint (the newer ones failed verification) kept the weights only: trainer.optimizer_keep
+        log.warning("checkpoint %s holds no optimizer state (trainer.optimizer_keep); the policy's optimizer "
+                    "restarts from zero moments", path.name)
     ctx.sampler.load_state(state["sampler"])
     ctx.engine.load_state_dict(engine_state(state))
     if ctx.refresher is not None and "refresher" in pts:
