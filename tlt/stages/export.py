@@ -29,11 +29,12 @@ def measure_folder(cfg: RunConfig, folder: Path, prompts: list[str]) -> dict:
     its policy, both reloaded from `folder` in the exported precision (what a server gets), measured
     with tlt's accept-length code (tlt.warmstart.heldout_accept: tuner off, `drafter.eval_strategy`)."""
     from tlt.build import encoder  # deferred: the engine stack, loaded by the run already
+    from tlt.device import resolve_device
     from tlt.models import eos_token_ids
     from tlt.rollout.engine import RolloutEngine
     from tlt.warmstart import heldout_accept
 
-    model, tokenizer, drafter = load_model_folder(folder)
+    model, tokenizer, drafter = load_model_folder(folder, resolve_device(cfg.trainer.device))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     rollout = cfg.rollout.model_copy(update={"dtype": cfg.export.dtype, "tuner": False})
