@@ -37,11 +37,14 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
             stages.rl_step(run_id, step)
             if _eval_due(step + 1, config):
                 stages.evaluate(run_id, step + 1)
-        final = stages.evaluate(run_id, config.rl.steps)
+        # with an export, the last step's accept lengths are measured once, on the exported folder
+        final = stages.evaluate(run_id, config.rl.steps, accept=not config.export.enabled)
         stages.report(run_id)
         export = None
         if config.export.enabled:
             export = stages.export_drafter(run_id, final)
+            final = final.model_copy(update={"accept_len": export.accept_len,
+                                             "accept_len_sampled": export.accept_len_sampled})
             if retrain:
                 stages.promote(run_id, export)
     except BaseException as exc:

@@ -115,8 +115,8 @@ def rl_step(run_id: str, step: int) -> StepSummary:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-{step}")
-def evaluate(run_id: str, step: int) -> EvalSummary:
-    s = get_pipeline(run_id).evaluate(step)
+def evaluate(run_id: str, step: int, accept: bool = True) -> EvalSummary:
+    s = get_pipeline(run_id).evaluate(step, accept=accept)
     create_table_artifact([s.model_dump()], key="eval", description=f"greedy held-out accuracy at step {step}")
     return s
 

@@ -89,10 +89,11 @@ class Pipeline:
         """Greedy responses through the rollout engine (tlt.stages.evaluation.generate_greedy)."""
         return evaluation.generate_greedy(self.engine, self.cfg, self.eos_ids, prompts, max_new_tokens, sd)
 
-    def evaluate(self, step: int, sd: str = "config") -> EvalSummary:
-        """Held-out accuracy, records and (with a drafter) held-out accept lengths, logged at `step`."""
+    def evaluate(self, step: int, sd: str = "config", accept: bool = True) -> EvalSummary:
+        """Held-out accuracy, records and (with a drafter, unless `accept` is off: the export measures
+        them on the exported folder) held-out accept lengths, logged at `step`."""
         summary = evaluation.evaluate(self.cfg, self.engine, self.tokenizer, self.dataset.heldout, self.prompt_ids,
-                                      self.eos_ids, self.drafter is not None, self.tracker, step, sd)
+                                      self.eos_ids, self.drafter is not None and accept, self.tracker, step, sd)
         self.evals.append((step, summary.accuracy))
         return summary
 

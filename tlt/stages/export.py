@@ -78,7 +78,10 @@ def export(cfg: RunConfig, model, tokenizer, eos_ids: list[int], drafter, run_di
                             accept_len_sampled=figures.get("accept_len_sampled"), accuracy=accuracy,
                             n=len(heldout_prompts), time_s=time.perf_counter() - t0,
                             serve=(serve_commands(path, figures["num_speculative_tokens"], what) or [""])[0])
-    tracker.log_metrics({"timing_s/export": summary.time_s}, step=cfg.rl.steps)
+    metrics = {"timing_s/export": summary.time_s}
+    if summary.accept_len is not None:  # the last step's held-out accept lengths: those of the exported folder
+        metrics.update({"eval/accept_len": summary.accept_len, "eval/accept_len_sampled": summary.accept_len_sampled})
+    tracker.log_metrics(metrics, step=cfg.rl.steps)
     return summary
 
 
