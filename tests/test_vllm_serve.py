@@ -65,7 +65,8 @@ def exported(tmp_path_factory, one_thread):
     tmp = tmp_path_factory.mktemp("serve")
     cfg = load_config(ROOT / "conf" / "smoke.yaml", [
         f"trainer.checkpoint_dir={tmp / 'runs'}", "model.tiny_layers=6", "model.tiny_vocab=259",  # ids the tokenizer decodes
-        "export.dtype=float32", "drafter.where=sequential", "drafter.warmstart_epochs=6", "data.heldout_size=6",
+        "export.dtype=float32", "drafter.where=sequential", "drafter.corpus_tokens=4096", "drafter.warmstart_epochs=20",
+        "data.heldout_size=6",
         f"drafter.eval_strategy.depth={K}", f"drafter.eval_strategy.tokens={K}", "rollout.spec_threshold=64"])
     with Pipeline(cfg) as pipe:
         pipe.validate_data()
