@@ -199,4 +199,5 @@ def test_served_model_folder_matches_tlt(exported, server):
           f"export figure (depth {K}, {exported['cfg'].drafter.eval_max_new_tokens} tokens) "
           f"{exported['summary'].accept_len}")
     assert abs(served_len - tlt_len) <= tol  # (c)
-    assert tlt_len > 1.0  # the run's drafter accepts something: (c) is not 1 == 1
+    assert tlt_len > 1.2  # the run's drafter accepts (measured 1.39): (c) is not 1.0 == 1.0, and a drafter vLLM
+    # loads wrongly (served 1.0) falls outside the tolerance
