@@ -166,3 +166,32 @@ def test_evaluate_flow_on_checkpoint(runs, monkeypatch):
     res = tlt_evaluate(config=runs["cfgs"][0], checkpoint=str(ckpt))
     assert res["eval"]["step"] == runs["cfgs"][0].rl.steps and 0 <= res["eval"]["accuracy"] <= 1
     assert res["eval"]["accept_len"] is not None and res["eval"]["accept_len"] >= 1.0
+
+
+def test_retrain_from_the_registry_with_runs_deleted(runs, monkeypatch):
+    """tlt-train/retrain with the training runs' folders gone: it continues from the champion
+    version's files in the registry and ends with a promotion decision and its reason."""
+    from flows.train import tlt_train
+    from tlt.tracking import set_champion
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", runs["uri"])
+    cfg, first = runs["cfgs"][0], runs["results"][0]
+    set_champion(cfg.export.model_name, first["export"]["version"], runs["uri"])
+    aside = runs["tmp"] / "runs-aside"
+    (runs["tmp"] / "runs").rename(aside)  # rm -rf runs/, undone after the test for the tests that follow
+    try:
+        retrain_cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={runs['tmp'] / 'retrain'}",
+                                                                "name=smoke-retrain"])
+        result = tlt_train(config=retrain_cfg, retrain=True)
+    finally:
+        aside.rename(runs["tmp"] / "runs")
+    run = read_run(result["run_id"], runs["uri"])
+    assert run["status"] == "FINISHED"
+    assert run["tags"]["retrain.from_version"] == first["export"]["version"]
+    assert run["tags"]["retrain.policy"].startswith("models:/")
+    reason = run["tags"]["export.promotion_reason"]
+    promoted = run["metrics"]["export/promoted"]
+    if promoted == 1.0:
+        assert "held-out accuracy held" in reason and "accept length held" in reason, reason
+    else:
+        assert "dropped" in reason, reason

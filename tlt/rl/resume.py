@@ -26,11 +26,13 @@ def _crash_point(write, step: int):
     return run
 
 
-def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None) -> Path:
+def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None,
+                   optimizer_keep: int | None = None) -> Path:
     """Checkpoint after RL step `step`: policy + optimizer, sampler cursor, RNG states, the engine's
     `state_dict()` under "engine" (its bandit, where it holds one), the drafter refresher's
     `state_dict()` (trainable weights, optimizer, buffer, RNG), `extra` (e.g. the step's metrics,
-    which the pipeline logs after the save: see `checkpoint_metrics`)."""
+    which the pipeline logs after the save: see `checkpoint_metrics`). `optimizer_keep`: the newest
+    checkpoints that keep the policy's optimizer state (trainer.optimizer_keep; None: all)."""
     tensors = {"policy": ctx.model.state_dict()}
     blobs = {"policy_optim": _crash_point(torch_blob(ctx.updater.state_dict()), step)}
     state = {"step": step, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
@@ -42,7 +44,8 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
         tensors["drafter"] = refresher.pop("drafter")
         blobs["refresher"] = torch_blob(refresher)
     path = save_checkpoint(root, step, tensors, state, blobs, keep=keep)
-    drop_blobs(root, {"policy_optim"}, ctx.cfg.trainer.optimizer_keep)  # 2x the policy's size, read by a resume only
+    if optimizer_keep is not None:  # twice the policy's size, and only a resume (from the newest) reads it
+        drop_blobs(root, {"policy_optim"}, optimizer_keep)
     fault("checkpointed", step)
     return path
 
