@@ -21,7 +21,7 @@ def deployments(cfg: RunConfig, paused_retrain: bool = False) -> list:
         name="retrain", parameters={**params, "retrain": True}, tags=["tlt", "scheduled"],
         schedule=Cron(cfg.deploy.cron, timezone=cfg.deploy.timezone), paused=paused_retrain,
         description="Scheduled retraining: continue from the registry's champion policy and drafter on the current "
-                    "data; promote the new drafter only if held-out accept length did not drop.")
+                    "data; promote the new version only if neither held-out accuracy nor accept length dropped.")
     return [manual, retrain]
 
 

@@ -1,4 +1,4 @@
-"""tlt-export: write a run's drafter as an EAGLE-3 directory that vLLM and SGLang load."""
+"""tlt-export: write a run's model folder (policy/ and its EAGLE-3 drafter/) that vLLM and SGLang serve."""
 from __future__ import annotations
 
 from prefect import flow

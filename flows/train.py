@@ -17,7 +17,8 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
     """Train a policy with speculative rollout and an adaptive drafter; every stage is tracked in MLflow.
 
     `resume`: an MLflow run id to continue from its last checkpoint. `retrain`: start from the
-    registry's champion policy and drafter, promote the new drafter only if it accepts no less.
+    registry's champion policy and drafter, promote the new version only if neither the policy's
+    held-out accuracy nor the drafter's accept length dropped.
     """
     try:
         run_id = stages.start_run(config, resume, retrain)
@@ -36,11 +37,14 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
             stages.rl_step(run_id, step)
             if _eval_due(step + 1, config):
                 stages.evaluate(run_id, step + 1)
-        final = stages.evaluate(run_id, config.rl.steps)
+        # with an export, the last step's accept lengths are measured once, on the exported folder
+        final = stages.evaluate(run_id, config.rl.steps, accept=not config.export.enabled)
         stages.report(run_id)
         export = None
-        if config.export.enabled and config.rollout.drafter == "eagle":
+        if config.export.enabled:
             export = stages.export_drafter(run_id, final)
+            final = final.model_copy(update={"accept_len": export.accept_len,
+                                             "accept_len_sampled": export.accept_len_sampled})
             if retrain:
                 stages.promote(run_id, export)
     except BaseException as exc:

@@ -133,8 +133,8 @@ def rl_step(run_id: str, step: int) -> StepSummary:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, task_run_name="evaluate-{step}")
-def evaluate(run_id: str, step: int) -> EvalSummary:
-    s = get_pipeline(run_id).evaluate(step)
+def evaluate(run_id: str, step: int, accept: bool = True) -> EvalSummary:
+    s = get_pipeline(run_id).evaluate(step, accept=accept)
     get_run_logger().info(eval_line(s.step, s.accuracy, s.n, s.accept_len, s.accept_len_sampled))
     create_table_artifact([s.model_dump()], key="eval", description=f"greedy held-out accuracy at step {step}")
     return s
@@ -153,15 +153,16 @@ def report(run_id: str) -> str:
 @task(name="export-drafter", cache_policy=NO_CACHE)
 def export_drafter(run_id: str, final: EvalSummary | None = None) -> ExportSummary:
     s = get_pipeline(run_id).export(final)
-    create_markdown_artifact(f"EAGLE-3 drafter exported to `{s.path}` (model version {s.version}, "
-                             f"held-out accept length, greedy {s.accept_len or 0:.2f}) in {s.time_s:.1f} s", key="export")
+    create_markdown_artifact(f"model folder (policy/, drafter/) exported to `{s.path}` (model version {s.version}, "
+                             f"held-out accept length (fixed chain) greedy {s.accept_len or 0:.2f}, measured on the "
+                             f"exported folder) in {s.time_s:.1f} s; serve it with `{s.serve}`", key="export")
     return s
 
 
 @task(name="promote", cache_policy=NO_CACHE)
 def promote(run_id: str, export: ExportSummary) -> bool:
     promoted = get_pipeline(run_id).promote(export)
-    create_markdown_artifact(f"drafter version {export.version}: {'promoted to' if promoted else 'NOT promoted to'} "
+    create_markdown_artifact(f"model version {export.version}: {'promoted to' if promoted else 'NOT promoted to'} "
                              "`champion`", key="promote")
     return promoted
 
@@ -208,6 +209,6 @@ def load_checkpoint(run_id: str, checkpoint: str) -> int:
 @task(name="export-checkpoint", cache_policy=NO_CACHE, retries=1)
 def export_checkpoint(out: str, run_id: str | None, checkpoint: str | None, force: bool, checkpoint_root: str) -> dict:
     ckpt = resolve_checkpoint(run_id, checkpoint, checkpoint_root)
-    path, _ = export(ckpt, Path(out), force=force)
-    create_markdown_artifact(f"EAGLE-3 drafter of `{ckpt}` exported to `{path}`", key="export")
+    path, _, _ = export(ckpt, Path(out), force=force)
+    create_markdown_artifact(f"model folder (policy/, drafter/) of `{ckpt}` exported to `{path}`", key="export")
     return {"checkpoint": str(ckpt), "path": str(path)}

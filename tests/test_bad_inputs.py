@@ -119,6 +119,12 @@ def _bad_args(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
         "export-checkpoint": (["export", "--checkpoint", str(tmp / "nock"), "--out", str(tmp / "o")],
                               ["--checkpoint", "nock", "step-NNNNNN"]),
         "export-out": (["export", "--checkpoint", str(empty), "--out", str(full)], ["--out", str(full), "--force"]),
+        "export-no-checkpoint": (["export", "--checkpoint", str(empty), "--out", str(tmp / "o")],
+                                 ["no complete checkpoint", str(empty)]),
+        "export-what": (["export", "--checkpoint", str(empty), "--out", str(tmp / "o"), "--what", "weights"],
+                        ["--what 'weights'", "policy, drafter or both"]),
+        "export-register": (["export", "--checkpoint", str(empty), "--out", str(tmp / "o"), "--register"],
+                            ["--register", "--run RUN_ID"]),
         "compare": (["compare", "nosuchrun"], ["'nosuchrun'", "tlt compare --experiment"]),
         "compare-out": (["compare", "--experiment", "tlt", "--out", str(tmp / "no" / "c.png")], ["no/c.png", "exist"]),
         "data-validate": (["data", "validate", str(tmp / "x.jsonl")], [str(tmp / "x.jsonl"), "not found"]),
@@ -141,7 +147,8 @@ def _bad_args(tmp: Path) -> dict[str, tuple[list[str], list[str]]]:
 
 
 CASES = ["run-resume", "run-model-missing", "run-model-empty", "run-data-missing", "run-data-empty",
-         "run-export-target", "run-reward", "export-run", "export-checkpoint", "export-out", "compare", "compare-out",
+         "run-export-target", "run-reward", "export-run", "export-checkpoint", "export-out", "export-no-checkpoint",
+         "export-what", "export-register", "compare", "compare-out",
          "data-validate", "warmstart-model", "warmstart-export", "deploy", "serve", "schedule", "bench-rollout",
          "run-data-malformed", "run-data-rows", "config-check-data"]
 

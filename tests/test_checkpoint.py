@@ -107,3 +107,22 @@ def test_bad_names_and_failed_writers_leave_nothing(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, 2, {}, {}, blobs={"opt": boom})
     assert list(tmp_path.iterdir()) == [] and latest_checkpoint(tmp_path) is None
+
+
+def test_optimizer_state_kept_only_in_the_newest(tmp_path):
+    """trainer.optimizer_keep: older checkpoints lose the optimizer blob (and its manifest entry) but
+    still verify and load; the newest keep it."""
+    from tlt.checkpoint import drop_blobs
+
+    opt = _optimizer_state()
+    for step in range(3):
+        _save(tmp_path, step, blobs={"policy_optim": torch_blob(opt), "refresher": torch_blob({"n": step})})
+        drop_blobs(tmp_path, {"policy_optim"}, keep=2)
+    have = {p.parent.name for p in tmp_path.glob("step-*/policy_optim.pt")}
+    assert have == {"step-000001", "step-000002"}
+    oldest = tmp_path / "step-000000"
+    tensors, state, pts = load_checkpoint(oldest)  # verifies: the manifest no longer lists the blob
+    assert set(pts) == {"refresher"} and state["cursor"] == 0 and torch.equal(tensors["policy"]["q"], _policy()["q"])
+    assert drop_blobs(tmp_path, {"policy_optim"}, keep=1) == [tmp_path / "step-000001" / "policy_optim.pt"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-000002"
+    assert "policy_optim" in load_checkpoint(tmp_path / "step-000002")[2]

@@ -104,11 +104,16 @@ def test_every_stage_tracked(runs):
     assert spot[1] == 0 and spot[2] > 0
     assert metric_history(rid, "warmstart/accept_len_after", uri)
     assert "plots" in run["artifacts"]
-    # the exported drafter is the run's logged model, and the registered version points at it
-    drafter = run["models"]["drafter"]
-    assert drafter["status"] == "READY" and drafter["step"] == cfg.rl.steps and drafter["tags"]["format"] == "eagle3"
-    version = MlflowClient(uri).get_model_version(cfg.export.model_name, result["export"]["version"])
-    assert version.source == f"models:/{drafter['model_id']}" and version.run_id == rid
+    # the model folder is the run's logged model, and the one registered version points at it
+    logged = run["models"]["model"]
+    assert logged["status"] == "READY" and logged["step"] == cfg.rl.steps and logged["tags"]["format"] == "tlt-model"
+    client = MlflowClient(uri)
+    version = client.get_model_version(cfg.export.model_name, result["export"]["version"])
+    assert version.source == f"models:/{logged['model_id']}" and version.run_id == rid
+    assert [v.run_id for v in client.search_model_versions(f"name='{cfg.export.model_name}'")].count(rid) == 1
+    assert version.tags["run_id"] == rid and version.tags["base_model"] == "tiny:llama"
+    assert float(version.tags["heldout_accuracy"]) == result["eval"]["accuracy"]
+    assert float(version.tags["accept_len"]) == result["export"]["accept_len"] >= 1.0
     # the validated prompt tables and the drafter corpus are the run's dataset inputs
     assert {k: v["context"] for k, v in run["datasets"].items()} == {
         "train-prompts": "train", "heldout-prompts": "eval", "drafter-corpus": "train"}
@@ -121,7 +126,7 @@ def test_every_stage_tracked(runs):
     for key in ("data-report", "models", "warmstart", "rl-step", "eval", "run-report", "export"):
         assert Artifact.get(key) is not None, key
     target, _ = load_target(cfg.model)
-    assert check_export(result["export"]["path"], target.config) == []
+    assert check_export(Path(result["export"]["path"]) / "drafter", target.config) == []
     assert result["export"]["version"] is not None
     ckpts = sorted((runs["tmp"] / "runs" / rid / "checkpoints").glob("step-*"))
     assert ckpts[-1].name == f"step-{cfg.rl.steps:06d}"  # counted from 1, like the RL steps
@@ -130,7 +135,7 @@ def test_every_stage_tracked(runs):
 def test_plain_run_has_no_speculation(runs):
     rid = runs["results"][1]["run_id"]
     assert metric_history(rid, "spec/enabled_share", runs["uri"])[-1][1] == 0.0
-    assert runs["results"][1]["export"] is not None  # the warm-started drafter is still exported
+    assert runs["results"][1]["export"] is not None  # the warm-started drafter is still exported with the policy
 
 
 def _tlt(*args, env_uri):
@@ -158,12 +163,45 @@ def test_export_cli_from_checkpoint_and_refuses_non_empty(runs, tmp_path):
     ckpt_root = runs["tmp"] / "runs" / rid
     out = _tlt("export", "--checkpoint", str(ckpt_root), "--out", str(tmp_path / "d"), env_uri=runs["uri"])
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "d" / "model.safetensors").exists()
+    folder = (tmp_path / "d").resolve()
+    assert (folder / "policy" / "model.safetensors").exists() and (folder / "drafter" / "model.safetensors").exists()
+    assert f"serve it: vllm serve {folder / 'policy'} --speculative-config" in out.stdout
+    assert "registered" not in out.stdout  # only --register registers
     again = _tlt("export", "--checkpoint", str(ckpt_root), "--out", str(tmp_path / "d"), env_uri=runs["uri"])
     assert again.returncode == 2 and "--force" in again.stderr and "Traceback" not in again.stderr
     forced = _tlt("export", "--checkpoint", str(ckpt_root), "--out", str(tmp_path / "d"), "--force",
-                  env_uri=runs["uri"])
+                  "--what", "policy", env_uri=runs["uri"])
     assert forced.returncode == 0, forced.stderr
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "policy", "tlt-model.json"]
+
+
+def test_export_register_carries_the_runs_tags(runs, tmp_path):
+    rid, cfg = runs["results"][0]["run_id"], runs["cfgs"][0]
+    client = MlflowClient(runs["uri"])
+    before = len(client.search_model_versions(f"name='{cfg.export.model_name}'"))
+    out = _tlt("export", "--run", rid, "--out", str(tmp_path / "r"), "--register", env_uri=runs["uri"])
+    assert out.returncode == 0, out.stderr
+    versions = client.search_model_versions(f"name='{cfg.export.model_name}'")
+    assert len(versions) == before + 1
+    new = max(versions, key=lambda v: int(v.version))
+    run_version = client.get_model_version(cfg.export.model_name, runs["results"][0]["export"]["version"])
+    assert set(new.tags) == set(run_version.tags)
+    for key in ("base_model", "run_id", "heldout_accuracy", "checkpoint_step", "draft_strategy", "precision"):
+        assert new.tags[key] == run_version.tags[key], key
+
+
+def test_export_of_a_checkpoint_whose_shapes_disagree_is_refused(runs, tmp_path):
+    import shutil
+
+    rid = runs["results"][0]["run_id"]
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs["tmp"] / "runs" / rid, run_dir, ignore=shutil.ignore_patterns("model"))
+    config = run_dir / "config.yaml"
+    config.write_text(config.read_text().replace("tiny_hidden: 128", "tiny_hidden: 192"))
+    out = _tlt("export", "--checkpoint", str(run_dir), "--out", str(tmp_path / "bad"), env_uri=runs["uri"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "policy does not fit the model its run's config.yaml builds" in out.stderr
+    assert not (tmp_path / "bad").exists() and not list(tmp_path.glob(".bad*"))
 
 
 def test_evaluate_flow_on_checkpoint(runs, monkeypatch):
@@ -176,3 +214,32 @@ def test_evaluate_flow_on_checkpoint(runs, monkeypatch):
     res = tlt_evaluate(config=runs["cfgs"][0], checkpoint=str(ckpt))
     assert res["eval"]["step"] == runs["cfgs"][0].rl.steps and 0 <= res["eval"]["accuracy"] <= 1
     assert res["eval"]["accept_len"] is not None and res["eval"]["accept_len"] >= 1.0
+
+
+def test_retrain_from_the_registry_with_runs_deleted(runs, monkeypatch):
+    """tlt-train/retrain with the training runs' folders gone: it continues from the champion
+    version's files in the registry and ends with a promotion decision and its reason."""
+    from flows.train import tlt_train
+    from tlt.tracking import set_champion
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", runs["uri"])
+    cfg, first = runs["cfgs"][0], runs["results"][0]
+    set_champion(cfg.export.model_name, first["export"]["version"], runs["uri"])
+    aside = runs["tmp"] / "runs-aside"
+    (runs["tmp"] / "runs").rename(aside)  # rm -rf runs/, undone after the test for the tests that follow
+    try:
+        retrain_cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={runs['tmp'] / 'retrain'}",
+                                                                "name=smoke-retrain"])
+        result = tlt_train(config=retrain_cfg, retrain=True)
+    finally:
+        aside.rename(runs["tmp"] / "runs")
+    run = read_run(result["run_id"], runs["uri"])
+    assert run["status"] == "FINISHED"
+    assert run["tags"]["retrain.from_version"] == first["export"]["version"]
+    assert run["tags"]["retrain.policy"].startswith("models:/")
+    reason = run["tags"]["export.promotion_reason"]
+    promoted = run["metrics"]["export/promoted"]
+    if promoted == 1.0:
+        assert "held-out accuracy held" in reason and "accept length held" in reason, reason
+    else:
+        assert "dropped" in reason, reason

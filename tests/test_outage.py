@@ -198,7 +198,7 @@ def test_outage_over_the_end_of_a_run(server, tmp_path, prefect_api):
     for key in ("reward/mean", "policy/loss", "timing_s/step"):
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2], key
     assert sorted(m.step for m in client.get_metric_history(run_id, "eval/accuracy")) == [0, 1, 2]
-    versions = client.search_model_versions("name='tlt-drafter'")
+    versions = client.search_model_versions("name='tlt-model'")
     assert [v.run_id for v in versions] == [run_id]  # the registration spooled at the end, sent by sync
     again = run_tlt(["tracking", "sync", "--uri", uri], env, timeout=120)
     assert again.returncode == 0 and "nothing to send" in again.stdout

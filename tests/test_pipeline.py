@@ -1,6 +1,6 @@
 """The run's stages return what they made: an RL step its rollout samples and batch-level metrics,
-an evaluation its records and (with a drafter) both held-out accept lengths, which `export`
-tags the model version with. Smoke recipe in this process, no tracker."""
+an evaluation its records and (with a drafter) both held-out accept lengths, the export its model
+folder with the accept lengths measured on it. Smoke recipe in this process, no tracker."""
 from pathlib import Path
 
 import pytest
@@ -31,11 +31,15 @@ def test_evaluate_returns_records_and_accept_lengths(pipe):
     assert not hasattr(pipe, "last_eval_records")
 
 
-def test_resume_then_rl_step_returns_samples_and_export_takes_the_final_eval(pipe):
+def test_resume_then_rl_step_returns_samples_and_export_measures_the_folder(pipe):
     assert pipe.resume() == 0  # builds the steps' parts itself: nothing to call first
     s = pipe.rl_step(0)
     r = pipe.cfg.rollout
     assert len(s.samples) == r.prompts_per_step * r.group_size and {"reward", "response"} <= set(s.samples[0])
     assert pipe.ctx is not None and not hasattr(pipe.ctx, "samples")
-    final = pipe.evaluate(1).model_copy(update={"accept_len": 9.0, "accept_len_sampled": 8.0})
-    assert pipe.export(final).accept_len == 9.0  # the final evaluation's figure, not measured again
+    final = pipe.evaluate(1, accept=False)  # the flow's last evaluation when it exports
+    assert final.accept_len is None
+    ex = pipe.export(final)
+    assert ex.accuracy == final.accuracy and ex.n == len(pipe.dataset.heldout)
+    assert 1.0 <= ex.accept_len and 1.0 <= ex.accept_len_sampled  # measured on the exported folder
+    assert (Path(ex.path) / "policy" / "config.json").is_file() and ex.serve.startswith(f"vllm serve {ex.path}/policy")

@@ -233,3 +233,32 @@ def test_engine_bandit_round_trips_through_a_checkpoint(tmp_path):
     assert b.engine.state_dict() == a.engine.state_dict() != {}
     assert engine_state({"step": 0, "tuner": {"rewards": []}}) == {"tuner": {"rewards": []}}
     assert engine_state({"step": 0, "engine": {"tuner": 1}}) == {"tuner": 1} and engine_state({"step": 0}) == {}
+
+
+def test_optimizer_state_only_in_the_newest_checkpoint(tmp_path, caplog):
+    """trainer.optimizer_keep=1: an older checkpoint keeps weights, cursor and RNG but not the
+    policy's optimizer state; restoring it (the newer ones failed verification) still works, with
+    the optimizer left as it was and a warning."""
+    import logging
+    import shutil
+    from types import SimpleNamespace
+
+    from tlt.config import RolloutConfig
+    from tlt.models import tiny_model
+    from tlt.rl.resume import restore_run_state, save_run_state
+    from tlt.rollout.engine import RolloutEngine
+
+    model = tiny_model("llama", layers=2, hidden=64, vocab=128)
+    engine = RolloutEngine(model, RolloutConfig(max_new_tokens=4), [2], 0)
+    ctx = SimpleNamespace(model=model, updater=_Stub({"moments": 1}), sampler=_Stub({"cursor": 0}), refresher=None,
+                          engine=engine)
+    for step in range(2):
+        ctx.sampler.s = {"cursor": step}
+        save_run_state(ctx, step, tmp_path, keep=3, optimizer_keep=1)
+    assert sorted(p.parent.name for p in tmp_path.glob("*/policy_optim.pt")) == ["step-000001"]
+    shutil.rmtree(tmp_path / "step-000001")  # as if the newest were lost: the older one is all there is
+    ctx.updater.s, ctx.sampler.s = {"moments": "fresh"}, {"cursor": 9}
+    with caplog.at_level(logging.WARNING, logger="tlt.rl.resume"):
+        state = restore_run_state(ctx, tmp_path)
+    assert state["step"] == 0 and ctx.sampler.s == {"cursor": 0} and ctx.updater.s == {"moments": "fresh"}
+    assert "holds no optimizer state" in caplog.text

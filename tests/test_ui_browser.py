@@ -238,7 +238,7 @@ def test_prefect_ui_shows_the_served_deployment_ready(uis):
 def test_mlflow_ui_opens_the_run_in_the_training_view(uis):
     """The page `tlt run` links to: the run, its logged model and registered version, its datasets,
     in the model-training view (its side bar: Runs, Models, Model registry; no GenAI sections)."""
-    wanted = {"smoke", uis["run_id"], "drafter", "tlt-drafter", "Model registry"}
+    wanted = {"smoke", uis["run_id"], "model", "tlt-model", "Model registry"}
 
     def shown(dom):
         return wanted <= dom.texts and any(t.startswith("Logged models") for t in dom.texts)

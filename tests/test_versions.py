@@ -120,7 +120,7 @@ def test_champion_loads_bump(tmp_path, monkeypatch):
     monkeypatch.setattr(retrain, "download", lambda *a: tmp_path / "d")
     cfg = SimpleNamespace(export=SimpleNamespace(model_name="m"), tracking=SimpleNamespace(tracking_uri=""),
                           deploy=SimpleNamespace(on_missing_champion_policy="fail"))
-    found = retrain.load_champion_policy(model, cfg, SimpleNamespace(set_tags=lambda tags: None))
+    found = retrain.load_champion_policy(model, cfg, SimpleNamespace(set_tags=lambda tags: None), tmp_path / "dl")
     retrain.load_champion_drafter(drafter, found, cfg, tmp_path)
     assert version_of(model) == 1 and version_of(drafter) == 1
 

@@ -58,11 +58,12 @@ def encoder(tokenizer, cfg: RunConfig):
     return lambda prompts: [encode_prompt(tokenizer, p, d.instruction, d.system_prompt) for p in prompts]
 
 
-def load_models(cfg: RunConfig, tracker, retrain: bool):
+def load_models(cfg: RunConfig, tracker, retrain: bool, run_dir: Path):
     """(policy, tokenizer, EOS ids, champion): the target model, continued from the registry's
-    champion policy when retraining (tlt.retrain; champion None otherwise)."""
+    champion policy when retraining (tlt.retrain, its files downloaded into run_dir/champion;
+    champion None otherwise)."""
     model, tokenizer = load_target(cfg.model, resolve_device(cfg.trainer.device))
-    champion = retraining.load_champion_policy(model, cfg, tracker) if retrain else None
+    champion = retraining.load_champion_policy(model, cfg, tracker, run_dir / "champion") if retrain else None
     return model, tokenizer, eos_token_ids(tokenizer, model), champion
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from tlt.atomic import fsync_dir, staged_dir
+from tlt.atomic import fsync_dir, staged_dir, write_file
 from tlt.device import to_cpu
 
 log = logging.getLogger(__name__)
@@ -156,6 +156,32 @@ def prune_checkpoints(root: Path, keep: int) -> list[Path]:
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def drop_blobs(root: Path, names: set[str], keep: int) -> list[Path]:
+    """Remove the blobs `names` (e.g. an optimizer state: only a resume reads it, and a resume
+    starts from the newest checkpoint) from all but the newest `keep` checkpoints; returns the
+    files removed. The manifest is rewritten first (atomically), so a crash in between leaves an
+    unlisted file, never a checkpoint that fails verification."""
+    if keep < 1:
+        raise ValueError("drop_blobs: keep must be >= 1")
+    removed = []
+    for _, path in _step_dirs(root)[:-keep]:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue  # not verifiable anyway; newest_verified skips it
+        gone = [n for n in manifest.get("files", {}) if n.endswith(".pt") and n[:-len(".pt")] in names]
+        if not gone:
+            continue
+        for n in gone:
+            del manifest["files"][n]
+        text = json.dumps(manifest, indent=1, sort_keys=True)
+        write_file(path / MANIFEST, lambda tmp: tmp.write_text(text))
+        for n in gone:
+            (path / n).unlink(missing_ok=True)
+            removed.append(path / n)
+    return removed
 
 
 # ---------------------------------------------------------------- reading

@@ -160,16 +160,19 @@ def starting_line(cfg, resume: str | None) -> str:
     return f"starting {prefect}, then {what} in {tracking.default_tracking_uri(cfg.tracking.tracking_uri)}"
 
 
-def final_line(ev: dict, ex: dict | None) -> str:
-    """The final evaluation (an EvalSummary's fields) and the export, in the project's vocabulary."""
+def final_line(ev: dict, ex: dict | None, model_name: str = "tlt-model") -> str:
+    """The final evaluation (an EvalSummary's fields) and the export (an ExportSummary's), in the
+    project's vocabulary. A run that exports measures its held-out accept lengths on the exported
+    folder (the export's figures), not in the final evaluation."""
     line = f"held-out accuracy {ev['accuracy']:.3f} after RL step {ev['step']} ({ev['n']} prompts)"
-    if ev.get("accept_len"):
-        line += f", held-out accept length (fixed chain) greedy {ev['accept_len']:.2f}"
-        if ev.get("accept_len_sampled"):
-            line += f", sampled {ev['accept_len_sampled']:.2f}"
+    figures = ex if ex and ex.get("accept_len") else ev
+    if figures.get("accept_len"):
+        line += f", held-out accept length (fixed chain) greedy {figures['accept_len']:.2f}"
+        if figures.get("accept_len_sampled"):
+            line += f", sampled {figures['accept_len_sampled']:.2f}"
     if ex:
-        line += f"; drafter exported to {ex['path']}" + (f" (tlt-drafter version {ex['version']})"
-                                                           if ex.get("version") else "")
+        line += f"; model exported to {ex['path']}" + (f" ({model_name} version {ex['version']})"
+                                                       if ex.get("version") else "")
     return line
 
 
@@ -177,7 +180,10 @@ def closing_lines(result: dict, cfg) -> list[str]:
     """`tlt run`'s last lines: the final evaluation and export, what the drafter's refresh schedule
     did (read back from the run's metrics, so a resumed run counts its earlier steps too), and where
     the run is."""
-    lines = [final_line(result["eval"], result.get("export"))]
+    ex = result.get("export")
+    lines = [final_line(result["eval"], ex, cfg.export.model_name)]
+    if ex and ex.get("serve"):
+        lines.append(f"serve it: {ex['serve']}")
     run_id, uri = result["run_id"], cfg.tracking.tracking_uri
     if cfg.rollout.drafter == "eagle" and (summary := run_refresh_summary(run_id, uri, cfg.drafter)):
         lines.append(summary)

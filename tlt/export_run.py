@@ -1,14 +1,20 @@
-"""Export the drafter of a finished (or running) training run: by MLflow run id or checkpoint dir."""
+"""`tlt export`: the model folder of a finished (or running) training run, by MLflow run id or
+checkpoint folder: the checkpoint's policy and drafter rebuilt from the run's config.yaml, written
+as policy/ + drafter/ + README.md (tlt.model_folder), figures measured on the written folder."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
-from tlt.checkpoint import latest_checkpoint, load_checkpoint
+import pandas as pd
+
+from tlt.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from tlt.config import load_config
 from tlt.drafter.model import build_drafter
-from tlt.export import export_eagle3
-from tlt.models import load_target
 from tlt.errors import UserError
+from tlt.export import ExportError
+from tlt.models import eos_token_ids, load_target
+from tlt.stages.export import base_figures, write_and_measure
 
 
 def resolve_checkpoint(run_id: str | None, checkpoint: str | Path | None, checkpoint_root: str = "runs") -> Path:
@@ -29,17 +35,59 @@ def resolve_checkpoint(run_id: str | None, checkpoint: str | Path | None, checkp
     return found
 
 
-def export_checkpoint(ckpt: Path, out: Path, force: bool = False) -> tuple[Path, object]:
-    """Rebuild target + drafter from the run's config.yaml and the checkpoint; write the EAGLE-3 dir."""
+def _load_strict(module, state: dict, what: str, ckpt: Path) -> None:
+    try:
+        module.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        first = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err))
+        raise ExportError(f"checkpoint '{ckpt}': its {what} does not fit the model its run's config.yaml builds "
+                          f"({first}). The {what} and the config must come from the same run: pass that run's "
+                          "checkpoint folder, or restore its config.yaml.") from None
+
+
+def rebuild(ckpt: Path):
+    """(config, policy, tokenizer, drafter or None, checkpoint state) of a checkpoint, the policy and
+    drafter checked against the shapes the run's config builds (ExportError naming the misfit)."""
     cfg_path = ckpt.parent.parent / "config.yaml"
     if not cfg_path.exists():
         raise UserError(f"'{cfg_path}' is missing: the checkpoint's run folder must hold the run's config.yaml")
     cfg = load_config(cfg_path)
-    tensors, _, _ = load_checkpoint(ckpt)
-    if "drafter" not in tensors:
-        raise UserError(f"checkpoint '{ckpt}' holds no drafter (was the run trained with rollout.drafter: ngram?)")
-    target, _ = load_target(cfg.model)
-    target.load_state_dict(tensors["policy"], strict=True)
-    drafter = build_drafter(target, cfg.drafter)
-    drafter.load_state_dict(tensors["drafter"], strict=True)
-    return export_eagle3(drafter, target.config, out, force=force), cfg
+    try:
+        tensors, state, _ = load_checkpoint(ckpt)
+    except CheckpointError as err:
+        raise UserError(f"{err}; pass another checkpoint (runs/<run id>/checkpoints/step-NNNNNN)") from None
+    target, tokenizer = load_target(cfg.model)
+    _load_strict(target, tensors["policy"], "policy", ckpt)
+    drafter = None
+    if "drafter" in tensors:
+        drafter = build_drafter(target, cfg.drafter)
+        _load_strict(drafter, tensors["drafter"], "drafter", ckpt)
+    return cfg, target, tokenizer, drafter, state
+
+
+def heldout_prompts(run_dir: Path) -> list[str]:
+    path = run_dir / "heldout.parquet"
+    if not path.is_file():
+        raise UserError(f"'{path}' is missing: the run folder must hold the held-out split its data stage wrote "
+                        "(the export measures its accept lengths on it); pass the checkpoint of a complete run folder")
+    return list(pd.read_parquet(path)["prompt"])
+
+
+def export_checkpoint(ckpt: Path, out: Path, what: str = "both", force: bool = False, run_id: str | None = None,
+                      accuracy_at: Callable[[int], float | None] | None = None) -> tuple[Path, object, dict]:
+    """Write the checkpoint's model folder at `out`; returns (its path, the run's config, the figures).
+
+    accuracy_at(step): the run's held-out accuracy logged at that step (the run evaluated these
+    weights), or None. `--what both` needs the checkpoint's drafter (ExportError without one)."""
+    cfg, target, tokenizer, drafter, state = rebuild(ckpt)
+    if what != "policy" and drafter is None:
+        raise ExportError(f"checkpoint '{ckpt}' holds no drafter (the run used rollout.drafter: ngram); export it "
+                          "with --what policy")
+    run_dir = ckpt.parent.parent
+    step = int(state["step"]) + 1  # RL steps trained; the run logged their evaluation at this step
+    prompts = heldout_prompts(run_dir) if what == "both" else []
+    accuracy = accuracy_at(step) if accuracy_at is not None else None
+    figures = base_figures(cfg, run_id or run_dir.name, step, accuracy, len(prompts))
+    path, figures = write_and_measure(cfg, out, target, tokenizer, eos_token_ids(tokenizer, target), drafter, figures,
+                                      prompts, what=what, force=force)
+    return path, cfg, figures

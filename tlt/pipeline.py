@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tlt import build
+from tlt import retrain as retraining
 from tlt.config import RunConfig, dump_yaml, flatten
 from tlt.report import RunRecord, log_report
 from tlt.stages import data, evaluation, export, training
@@ -71,7 +72,7 @@ class Pipeline:
     def prepare(self) -> ModelSummary:
         t0 = time.perf_counter()
         self.model, self.tokenizer, self.eos_ids, self.champion = build.load_models(self.cfg, self.tracker,
-                                                                                   self.retrain)
+                                                                                   self.retrain, self.run_dir)
         self.drafter, self.engine = build.build_engine(self.model, self.tokenizer, self.cfg, self.eos_ids,
                                                        self.run_dir)
         c = self.model.config
@@ -88,10 +89,11 @@ class Pipeline:
         """Greedy responses through the rollout engine (tlt.stages.evaluation.generate_greedy)."""
         return evaluation.generate_greedy(self.engine, self.cfg, self.eos_ids, prompts, max_new_tokens, sd)
 
-    def evaluate(self, step: int, sd: str = "config") -> EvalSummary:
-        """Held-out accuracy, records and (with a drafter) held-out accept lengths, logged at `step`."""
+    def evaluate(self, step: int, sd: str = "config", accept: bool = True) -> EvalSummary:
+        """Held-out accuracy, records and (with a drafter, unless `accept` is off: the export measures
+        them on the exported folder) held-out accept lengths, logged at `step`."""
         summary = evaluation.evaluate(self.cfg, self.engine, self.tokenizer, self.dataset.heldout, self.prompt_ids,
-                                      self.eos_ids, self.drafter is not None, self.tracker, step, sd)
+                                      self.eos_ids, self.drafter is not None and accept, self.tracker, step, sd)
         self.evals.append((step, summary.accuracy))
         return summary
 
@@ -123,8 +125,10 @@ class Pipeline:
         return summary
 
     def promote(self, exported: ExportSummary) -> bool:
-        """Move the `champion` alias to the new version unless held-out accept length dropped."""
-        return export.promote(self.cfg, self.tracker, exported, self.champion)
+        """Move the `champion` alias to the new version unless the policy's held-out accuracy or the
+        drafter's accept length dropped (tlt.retrain.should_promote); the reason is logged."""
+        old = retraining.champion_accuracy(self.champion, self.evals, len(self.dataset.heldout))
+        return export.promote(self.cfg, self.tracker, exported, self.champion, old)
 
     # -- stage 4: RL steps -----------------------------------------------------------------------
     def start_steps(self):
@@ -149,13 +153,9 @@ class Pipeline:
 
     # -- stage 6: export ---------------------------------------------------------------------------
     def export(self, final: EvalSummary | None = None) -> ExportSummary:
-        """EAGLE-3 directory logged as the run's model and registered as a version. `final`: the
-        evaluation of the last step's weights, whose held-out accept lengths tag the version
-        (measured here when it is missing, of another step, or without them)."""
-        if final is not None and final.step == self.cfg.rl.steps and final.accept_len_sampled is not None:
-            greedy, sampled = final.accept_len, final.accept_len_sampled
-        else:
-            greedy, sampled = evaluation.heldout_accept_lens(self.cfg, self.engine, self.dataset.heldout,
-                                                             self.prompt_ids)
-        return export.export(self.cfg, self.model, self.drafter, self.run_dir, self.tracker, greedy, sampled,
-                             self.last_checkpoint)
+        """The model folder (policy/, drafter/, README.md) logged as the run's model and registered as
+        one version. `final`: the evaluation of the last step's weights, whose held-out accuracy tags
+        the version; the accept lengths are measured on the exported folder itself."""
+        accuracy = final.accuracy if final is not None and final.step == self.cfg.rl.steps else None
+        return export.export(self.cfg, self.model, self.tokenizer, self.eos_ids, self.drafter, self.run_dir,
+                             self.tracker, accuracy, list(self.dataset.heldout["prompt"]))

@@ -68,7 +68,13 @@ class StepSummary(BaseModel):
 
 
 class ExportSummary(BaseModel):
-    path: str
+    path: str  # the model folder (policy/, drafter/, README.md)
     version: str | None = None
-    accept_len: float | None = None  # held-out, greedy: the version's accept_len tag
+    # Held-out accept length of the exported drafter against the exported policy, reloaded from the
+    # folder (greedy; at the rollout temperature): the version's accept_len / accept_len_sampled tags.
+    accept_len: float | None = None
+    accept_len_sampled: float | None = None
+    accuracy: float | None = None  # the policy's held-out accuracy (heldout_accuracy tag), on n prompts
+    n: int = 0
     time_s: float
+    serve: str = ""  # the command that serves the folder (real paths)

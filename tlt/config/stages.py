@@ -265,6 +265,8 @@ class TrainerConfig(Stage):
     checkpoint_dir: str = Field("runs", description="Root of run checkpoints")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint every k RL steps")
     checkpoint_keep: int = Field(3, ge=1, description="Run checkpoints kept (older ones are pruned)")
+    optimizer_keep: int = Field(1, ge=1, description="Newest checkpoints that keep the policy's optimizer state "
+                                "(what a resume needs to continue exactly); older ones keep the weights only")
 
 
 class EvalConfig(Stage):
@@ -284,18 +286,29 @@ class TrackingConfig(Stage):
 
 
 class ExportConfig(Stage):
-    enabled: bool = Field(True, description="Export the drafter at the end of training")
-    out_dir: str | None = Field(None, description="Export directory (default: the run's checkpoint dir /drafter_export)")
-    register_model: bool = Field(True, description="Register the export as a version of `model_name`")
-    model_name: str = Field("tlt-drafter", description="MLflow registered model name")
+    enabled: bool = Field(True, description="Write the run's model folder at the end of training: policy/ (a "
+                          "save_pretrained folder), drafter/ (EAGLE-3) and a README.md with the serve commands")
+    out_dir: str | None = Field(None, description="Model folder (default: the run's checkpoint dir /model)")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="Precision of the exported "
+                                                              "weights (the folder's accept lengths are measured in it)")
+    register_model: bool = Field(True, description="Log the folder as the run's MLflow model and register it as a "
+                                 "version of `model_name`")
+    model_name: str = Field("tlt-model", description="MLflow registered model name (retraining continues from its "
+                            "`champion` version; `tlt-drafter` is the older drafter-only registry)")
 
 
 class DeployConfig(Stage):
     cron: str = Field("0 3 * * *", description="Schedule of the tlt-train/retrain deployment")
     timezone: str = Field("UTC", description="IANA time zone of the cron schedule (e.g. Europe/Paris)")
     on_missing_champion_policy: Literal["error", "base"] = Field(
-        "error", description="Retrain when the champion's policy checkpoint is gone: stop with an error naming the "
-        "path, or continue from the base policy (model.name_or_path; logged as a warning, tag retrain.policy=base)")
+        "error", description="Retrain from an older drafter-only champion whose policy checkpoint is gone: stop with "
+        "an error naming the path, or continue from the base policy (model.name_or_path; logged as a warning, tag "
+        "retrain.policy=base)")
+    promote_accuracy_alpha: float = Field(0.05, gt=0, lt=0.5, description="Retrain promotion: significance of the "
+                                          "one-sided two-proportion test that refuses a version whose held-out "
+                                          "accuracy dropped below the champion's")
+    promote_accuracy_tolerance: float = Field(0.0, ge=0, le=1, description="Retrain promotion: a drop of held-out "
+                                              "accuracy up to this much is accepted before the test applies")
 
     @field_validator("timezone")
     @classmethod

@@ -7,12 +7,15 @@ refresher's RNG are saved too, not only the weights and optimizers.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from tlt.checkpoint import (capture_rng, load_checkpoint, load_pt, newest_verified, restore_rng, save_checkpoint,
-                            torch_blob)
+from tlt.checkpoint import (capture_rng, drop_blobs, load_checkpoint, load_pt, newest_verified, restore_rng,
+                            save_checkpoint, torch_blob)
 from tlt.faults import fault
 from tlt.versions import bump
+
+log = logging.getLogger(__name__)
 
 
 def _crash_point(write, step: int):
@@ -30,11 +33,14 @@ def steps_done(state: dict) -> int:
     return int(state["steps_done"]) if "steps_done" in state else int(state["step"]) + 1
 
 
-def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None) -> Path:
-    """Checkpoint after RL step `step` (0-based index; the folder is `step-{step + 1:06d}`): policy + optimizer, sampler cursor, RNG states, the engine's
+def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = None,
+                   optimizer_keep: int | None = None) -> Path:
+    """Checkpoint after RL step `step` (0-based index; the folder is `step-{step + 1:06d}`): policy +
+    optimizer, sampler cursor, RNG states, the engine's
     `state_dict()` under "engine" (its bandit, where it holds one), the drafter refresher's
     `state_dict()` (trainable weights, optimizer, buffer, RNG), `extra` (e.g. the step's metrics,
-    which the pipeline logs after the save: see `checkpoint_metrics`)."""
+    which the pipeline logs after the save: see `checkpoint_metrics`). `optimizer_keep`: the newest
+    checkpoints that keep the policy's optimizer state (trainer.optimizer_keep; None: all)."""
     tensors = {"policy": ctx.model.state_dict()}
     blobs = {"policy_optim": _crash_point(torch_blob(ctx.updater.state_dict()), step)}
     state = {"steps_done": step + 1, "sampler": ctx.sampler.state(), "rng": capture_rng(), **(extra or {})}
@@ -46,6 +52,8 @@ def save_run_state(ctx, step: int, root: Path, keep: int, extra: dict | None = N
         tensors["drafter"] = refresher.pop("drafter")
         blobs["refresher"] = torch_blob(refresher)
     path = save_checkpoint(root, step + 1, tensors, state, blobs, keep=keep)
+    if optimizer_keep is not None:  # twice the policy's size, and only a resume (from the newest) reads it
+        drop_blobs(root, {"policy_optim"}, optimizer_keep)
     fault("checkpointed", step)
     return path
 
@@ -62,7 +70,11 @@ def restore_run_state(ctx, root: Path) -> dict | None:
     state["corrupt_skipped"] = [p.name for p in skipped]
     ctx.model.load_state_dict(tensors["policy"], strict=True)
     bump(ctx.model)  # the refresher's load bumps the drafter
-    ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
+    if "policy_optim" in pts:
+        ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
+    else:  # an older checkpoint (the newer ones failed verification) kept the weights only: trainer.optimizer_keep
+        log.warning("checkpoint %s holds no optimizer state (trainer.optimizer_keep); the policy's optimizer "
+                    "restarts from zero moments", path.name)
     ctx.sampler.load_state(state["sampler"])
     ctx.engine.load_state_dict(engine_state(state))
     if ctx.refresher is not None and "refresher" in pts:

@@ -33,7 +33,8 @@ def rl_step(ctx: StepContext, step: int, run_dir: Path, tracker, record: RunReco
     if (step + 1) % cfg.trainer.checkpoint_every == 0 or step + 1 == cfg.rl.steps:
         t0 = time.perf_counter()
         saved = save_run_state(ctx, step, run_dir / "checkpoints", cfg.trainer.checkpoint_keep,
-                               extra={"metrics": {k: float(v) for k, v in metrics.items()}})
+                               extra={"metrics": {k: float(v) for k, v in metrics.items()}},
+                               optimizer_keep=cfg.trainer.optimizer_keep)
         metrics["timing_s/checkpoint"] = time.perf_counter() - t0
     tracker.log_metrics(metrics, step=step + 1)
     record.add_step(step + 1, metrics, result.batch)
