@@ -23,7 +23,9 @@ def test_version_names_the_release_and_the_commit():
 
 @pytest.mark.parametrize("command", [["--help"], ["run", "--help"], ["config", "check", "--help"],
                                      ["compare", "--help"], ["data", "validate", "--help"], ["ui", "--help"],
-                                     ["schedule", "--help"], ["config", "reference", "--help"]])
+                                     ["schedule", "--help"], ["config", "reference", "--help"], ["export", "--help"],
+                                     ["drafter", "warmstart", "--help"], ["tracking", "sync", "--help"],
+                                     ["deploy", "--help"]])
 def test_help_shows_metavars_not_python_types(command):
     r = _cli(*command)
     assert r.returncode == 0, r.stderr

@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -22,6 +21,7 @@ from rich.console import Console
 from tlt import tracking
 from tlt.config import dump_yaml, load_config, reference_markdown
 from tlt.cli_bench import bench_app
+from tlt.cli_export import export
 from tlt.cli_help import HELP, plain_arguments
 from tlt.console import closing_lines, starting_line
 from tlt.errors import UserError, exception_chain
@@ -212,7 +212,7 @@ def _exit_if_unsent(run_id: str, uri: str | None) -> None:
 
 
 @tracking_app.command("sync")
-def tracking_sync(uri: Optional[str] = typer.Option(None, "--uri", help="Tracking URI of the runs' store (default: "
+def tracking_sync(uri: Optional[str] = typer.Option(None, "--uri", metavar="URI", help="Tracking URI of the runs' store (default: "
                                                     "MLFLOW_TRACKING_URI, else mlflow/mlflow.db)")) -> None:
     """Send every pending outage spool (mlflow/spool/, or $TLT_MLFLOW_SPOOL_DIR) to the store, oldest call
     first; print what was sent and what remains; exit 3 while calls remain."""
@@ -242,7 +242,7 @@ def _no_user_error_tracebacks() -> None:
 
 @drafter_app.command("warmstart")
 def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
-                      export: Optional[Path] = typer.Option(None, "--export", help="Also write the warm-started "
+                      export: Optional[Path] = typer.Option(None, "--export", metavar="DIR", help="Also write the warm-started "
                                                             "drafter as an EAGLE-3 directory (e.g. for bench/rollout.py "
                                                             "--drafter, or vLLM)"),
                       force: bool = typer.Option(False, "--force", help="Replace a non-empty --export directory")) -> None:
@@ -271,56 +271,7 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
         pipe.close()
 
 
-@app.command("export")
-def export(run: Optional[str] = typer.Option(None, "--run", help="MLflow run id of a tlt-train run"),
-           checkpoint: Optional[Path] = typer.Option(None, "--checkpoint", help="A run's checkpoint (or run) folder"),
-           out_dir: Path = typer.Option(..., "--out", help="Model folder to write: policy/, drafter/, README.md"),
-           what: str = typer.Option("both", "--what", help="policy, drafter or both"),
-           force: bool = typer.Option(False, "--force", help="Replace a non-empty --out folder"),
-           register: bool = typer.Option(False, "--register", help="Log the folder to the run (--run) and register "
-                                         "it as a version of export.model_name")) -> None:
-    """Write a run's trained policy and its drafter as one folder that vLLM and SGLang serve."""
-    t0 = time.perf_counter()
-    root, accuracy_at = "runs", None
-    _check_export_args(out_dir, checkpoint, what, force, register, run)
-    if run:
-        run = resolve_run_id(run, flag="--run")
-        if msg := tracking.unsent_warning(run):
-            err.print(f"warning: {msg}", markup=False, highlight=False)
-        root = tracking.read_run(run)["params"].get("trainer.checkpoint_dir", root)
-        history = dict(tracking.metric_histories(run, ["eval/accuracy"])["eval/accuracy"])
-        accuracy_at = history.get
-    from tlt.export_run import export_checkpoint, resolve_checkpoint  # deferred: torch, transformers
-    from tlt.model_folder import serve_commands  # deferred: torch
-    from tlt.stages.export import tags_of  # deferred: torch
-
-    ckpt = resolve_checkpoint(run, checkpoint, root)
-    path, cfg, figures = export_checkpoint(ckpt, out_dir, what=what, force=force, run_id=run, accuracy_at=accuracy_at)
-    out.print(f"exported {ckpt} -> {path} in {time.perf_counter() - t0:.1f} s", highlight=False)
-    if register:
-        tracker = tracking.make_tracker(cfg.tracking.model_copy(update={"system_metrics": False}), run_id=run)
-        version = tracker.log_model(path, "model", register_as=cfg.export.model_name, tags=tags_of(figures),
-                                    step=figures["checkpoint_step"])
-        tracker.end()
-        out.print(f"registered {cfg.export.model_name} version {version}", highlight=False)
-    commands = serve_commands(path, figures["num_speculative_tokens"], what)
-    out.print("serve it: " + ("\n  or: ".join(commands) if commands else f"(drafter only) see {path / 'README.md'}"),
-              markup=False, highlight=False)
-
-
-def _check_export_args(out_dir: Path, checkpoint: Path | None, what: str, force: bool, register: bool,
-                       run: str | None) -> None:
-    """`tlt export`'s flags, refused before any model loads."""
-    if what not in ("policy", "drafter", "both"):
-        raise UserError(f"--what '{what}' is unknown; use policy, drafter or both")
-    if register and (run is None or what != "both"):
-        raise UserError("--register logs the folder to its training run and registers it as one version holding the "
-                        "policy and its drafter: pass --run RUN_ID and --what both (the default)")
-    if not force:
-        check_empty_target(out_dir, "--out", "pass --force to replace it")
-    if checkpoint is not None and not checkpoint.is_dir():
-        raise UserError(f"--checkpoint '{checkpoint}' is not a folder; pass a run folder (runs/<run id>) or one of "
-                        "its checkpoints (runs/<run id>/checkpoints/step-NNNNNN)")
+app.command("export")(export)
 
 
 @app.command("compare")
