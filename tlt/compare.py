@@ -22,7 +22,7 @@ from tlt.plots import axis_label, draw_curves, new_figure
 
 SHORT = 8  # characters of a run id shown in tables and legends
 KEYS = ("spec/accept_len/mean", "rollout/tokens_per_s", "perf/tokens_per_s", "perf/step_speedup_vs_plain",
-        "eval/accuracy", "reward/mean", "timing_s/step", "timing_s/update_drafter")
+        "eval/accuracy", "reward/mean", "timing_s/step", "timing_s/update_drafter", "spec/regret")
 PLOTTED = ("reward/mean", "eval/accuracy", "spec/accept_len/mean", "timing_s/step")
 # column -> (header, format); NaN prints as "-"
 COLUMNS = {
@@ -30,6 +30,7 @@ COLUMNS = {
     "accept_len": ("accept len", "{:.2f}"), "tokens_per_s": ("tokens/s", "{:.1f}"),
     "sd_speedup": ("SD speedup", "{:.2f}x"), "accuracy": ("accuracy", "{:.3f}"), "reward": ("reward", "{:.3f}"),
     "step_time_s": ("step time s", "{:.2f}"), "drafter_share": ("drafter share", "{:.1%}"), "steps": ("steps", "{:d}"),
+    "regret_s": ("bandit regret s", "{:.2f}"),
 }
 
 
@@ -50,7 +51,7 @@ def summarize(hist: dict[str, list[tuple[int, float]]]) -> dict[str, float | int
 
     Last value for quality metrics (accept length, accuracy, reward), mean over steps for speed
     (tokens/s, SD speedup, step time); drafter share = sum(update_drafter) / sum(step), NaN when
-    either was never logged.
+    either was never logged; bandit regret = the last spec/regret (it is cumulative).
     """
     step_total = sum(_values(hist.get("timing_s/step", [])))
     drafter = hist.get("timing_s/update_drafter", [])
@@ -65,6 +66,7 @@ def summarize(hist: dict[str, list[tuple[int, float]]]) -> dict[str, float | int
         "step_time_s": _mean(hist.get("timing_s/step", [])),
         "drafter_share": sum(_values(drafter)) / step_total if drafter and step_total > 0 else math.nan,
         "steps": len(counted),
+        "regret_s": _last(hist.get("spec/regret", [])),  # cumulative: the last value is the run's
     }
 
 
