@@ -1,7 +1,13 @@
 """The vLLM rollout backend against the torch engine: rollout arms, the tail switch, weight syncs.
 
+Arms on both engines, same prompts and seed: plain, tail (tlt's tail switch + bandit), always (the
+recipe's fixed strategy at every step) and static (the best draft length per tier of a sweep; both
+from bench/baselines.py); rollout_s_{engine}_{arm}, speedup_{engine}_vs_{always,static} (the
+baseline's rollout over tail's), static_table_{engine}.
+
     python bench/vllm_rollout.py conf/default.yaml --json out.json [--reps 2] [--fit-epochs 40] [--set k=v ...]
 """
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -13,8 +19,11 @@ from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, fit
 from tlt.models import eos_token_ids, load_target
 from tlt.rollout import RolloutEngine, StrategyTuner
+from tlt.rollout.capabilities import swapped
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.versions import bump
+
+baselines = harness.load("baselines")
 
 
 def fitted_drafter(model, cfg, plain, train_prompts: list[list[int]], epochs: int):
@@ -65,6 +74,34 @@ def syncs(vllm, model, drafter) -> dict:
             "tied_embeddings": bool(model.config.tie_word_embeddings)}
 
 
+def arms(vllm, torch_plain, torch_tail, torch_static, kw: dict, strategy, static: tuple) -> dict:
+    """name -> callable of every timed arm (harness.best_of); vLLM's static arm: `static` = (its table, its
+    config update), swapped in for its call only."""
+    batch = len(kw["prompts"]) * kw["group_size"]
+
+    def always(engine):
+        with engine.fixed_strategy(strategy, batch_size=batch):
+            return engine.generate(**kw)
+
+    def vllm_static():
+        with static_schedule(vllm, *static):
+            return vllm.generate(**kw)
+
+    return {"vllm_plain": lambda: vllm.generate(**kw, spec=False), "vllm_tail": lambda: vllm.generate(**kw),
+            "vllm_always": lambda: always(vllm), "vllm_static": vllm_static,
+            "torch_plain": lambda: torch_plain.generate(**kw, spec=False), "torch_tail": lambda: torch_tail.generate(**kw),
+            "torch_always": lambda: always(torch_tail), "torch_static": lambda: torch_static.generate(**kw)}
+
+
+@contextmanager
+def static_schedule(vllm, table: dict, update: dict):
+    """Within the block vLLM runs the static arm's config (`update`: SD at every batch size, no patience,
+    no guard) with the sweep's table in place of its bandit."""
+    with swapped(vllm, cfg=vllm.cfg.model_copy(update=update), tuner=StrategyTuner.static(table["buckets"],
+                                                                                          table["depths"])):
+        yield
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, ("--reps", 2, "best of N"), ("--fit-epochs", 0, "drafter fit epochs"),
                                         ("--fit-prompts", 64, "training prompts the drafter is fit to")), argv)
@@ -85,17 +122,22 @@ def main(argv: list[str] | None = None) -> dict:
     torch_tail = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter,
                                tuner=StrategyTuner.from_config(r, seed=cfg.rl.seed) if r.tuner else None)
     kw = dict(prompts=prompts, group_size=r.group_size, temperature=r.temperature, seed=1)
+    torch_static = RolloutEngine(model, r.model_copy(update=baselines.config_update("static", cfg)), eos,
+                                 tok.pad_token_id, drafter=drafter)
     try:
         vllm.generate(prompts, temperature=0.0, spec_threshold=len(prompts))  # first calls warm vLLM's kernels up
         res.update(greedy_checks(vllm, torch_plain, prompts, r.spec_threshold))
-        best = harness.best_of({"vllm_plain": lambda: vllm.generate(**kw, spec=False),
-                                "vllm_tail": lambda: vllm.generate(**kw),
-                                "vllm_always": lambda: vllm.generate(**kw, spec_threshold=len(prompts) * r.group_size),
-                                "torch_plain": lambda: torch_plain.generate(**kw, spec=False),
-                                "torch_tail": lambda: torch_tail.generate(**kw)}, args.reps)
+        tables = {name: baselines.sweep(eng, prompts, r.tuner_buckets, r.strategy.depth, temperature=r.temperature)
+                  for name, eng in (("vllm", vllm), ("torch", torch_static))}
+        baselines.install_static(torch_static, tables["torch"])
+        static = (tables["vllm"], baselines.config_update("static", cfg))
+        best = harness.best_of(arms(vllm, torch_plain, torch_tail, torch_static, kw, r.strategy, static), args.reps)
         for name, (s, out) in best.items():
             res.update({f"rollout_s_{name}": round(s, 3), f"tokens_{name}": sum(map(len, out.response_ids)),
                         f"accept_len_{name}": round(out.stats.accept_len or 1.0, 3)})
+        for eng, b in ((e, b) for e in ("vllm", "torch") for b in baselines.BASELINES):
+            res[f"speedup_{eng}_vs_{b}"] = best[f"{eng}_{b}"][0] / best[f"{eng}_tail"][0]
+        res.update({f"static_table_{e}": t for e, t in tables.items()})
         res.update(syncs(vllm, model, drafter), rebuilds=vllm.rebuilds)
     finally:
         vllm.close()

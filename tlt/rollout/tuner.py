@@ -87,6 +87,15 @@ class StrategyTuner:
         return cls(default_arms(buckets, plain, ngram), buckets, epsilon=epsilon, seed=seed, window=window)
 
     @classmethod
+    def static(cls, buckets: list[int], depths: list[int]) -> "StrategyTuner":
+        """A fixed schedule, no bandit: bucket i always drafts a chain of depths[i] (0: plain decoding).
+        The baseline the bandit is measured against (bench/: the `static` arm)."""
+        if len(depths) != len(buckets) or min(depths, default=0) < 0:
+            raise ValueError(f"need one depth >= 0 per bucket: {len(buckets)} buckets, depths {depths}")
+        arms = [[SpecStrategy(depth=d, topk=1, tokens=d) if d else PLAIN] for d in depths]
+        return cls(arms, sorted(buckets), epsilon=0.0)
+
+    @classmethod
     def from_config(cls, r, seed: int = 0) -> "StrategyTuner":
         """The default arms for a `RolloutConfig` (its buckets, epsilon, plain and n-gram arms)."""
         return cls.default(r.tuner_buckets, epsilon=r.tuner_epsilon, seed=seed, plain=r.tuner_plain_arm,
