@@ -1,0 +1,121 @@
+"""Calibrate before exploring (`rollout.tuner_calibrate`): the cost curve of this machine, the break-even
+accept length per batch-size tier, and the bandit seeded from them.
+
+At engine start, a few short greedy calls per tier (`rollout.tuner_buckets`, at the tier's lowest batch
+size, on random prompts) time one decode step (depth 0) and one SD round of each chain depth the
+tier's arms draft (the engine's `fixed_strategy`: draft + verify, every step a round). A round of depth
+d emits at most d + 1 tokens per row where a plain step emits 1, so the tier's break-even accept length
+for depth d is round_s[d] / round_s[0]; SD can pay at d only if that is below d + 1 (every draft
+accepted). The bandit (StrategyTuner) then starts with one predicted reward per arm instead of
+playing every untried arm first: plain decoding b / round_s[0], a chain b * E[accept] / round_s[d],
+E[accept] = 1 + a + ... + a^d at the prior per-token acceptance a = PRIOR_ACCEPT_RATE. So a tier where
+no depth can pay starts on the plain arm and tries SD only when it explores (rate epsilon); the other
+tiers start at the depth the curve favours. Real rewards join each arm's window and take over.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from tlt.config import SpecStrategy
+from tlt.rollout.tuner import StrategyTuner
+
+# Per-token acceptance assumed before any round is verified (a warm-started drafter on its own policy's
+# text accepts ~0.5-0.8 per position on the recipes; its rewards replace this as rounds are played).
+PRIOR_ACCEPT_RATE = 0.6
+
+
+def expected_accept(depth: int, rate: float) -> float:
+    """Mean tokens per row of a chain round of `depth` drafts when each is accepted with `rate` (given
+    the ones before it were): 1 + rate + ... + rate^depth."""
+    return sum(rate ** i for i in range(depth + 1))
+
+
+@dataclass
+class CostCurve:
+    """round_s[tier][d]: seconds of one decode step (d = 0) or one SD round of a depth-d chain at the
+    tier's lowest batch size; None where that depth was not measured."""
+
+    buckets: list[int]
+    round_s: list[list[float | None]]
+    seconds: float = 0.0  # what measuring took
+
+    def _at(self, tier: int, depth: int) -> tuple[int, float]:
+        """The measured depth closest to `depth` from below (deeper arms than measured: the deepest) and its time."""
+        row = self.round_s[tier]
+        d = max(i for i, s in enumerate(row[:depth + 1] or row[:1]) if s is not None)
+        return d, row[d]
+
+    def break_even(self, tier: int, depth: int) -> float:
+        """Accept length (tokens per row and round) at which a depth-`depth` round pays as much as plain steps."""
+        return self._at(tier, depth)[1] / self.round_s[tier][0]
+
+    def can_pay(self, tier: int) -> bool:
+        """Some measured depth breaks even below its reachable accept length (depth + 1)."""
+        return any(s is not None and s / self.round_s[tier][0] < d + 1 for d, s in enumerate(self.round_s[tier]) if d)
+
+    def predicted_reward(self, tier: int, arm: SpecStrategy, rate: float = PRIOR_ACCEPT_RATE) -> float:
+        """Tokens per second the bandit would measure for `arm` in `tier` (its reward's unit)."""
+        b = self.buckets[tier]
+        if arm.plain:
+            return b / self.round_s[tier][0]
+        d, s = self._at(tier, arm.depth)
+        return b * expected_accept(d, rate) / s
+
+    def summary(self) -> dict:
+        """JSON-able: the curve, break-even per tier and measured depth, which tiers can pay, seconds."""
+        return {"buckets": self.buckets, "round_s": self.round_s, "seconds": self.seconds,
+                "break_even": [[None if s is None or not d else s / row[0] for d, s in enumerate(row)]
+                               for row in self.round_s],
+                "can_pay": [self.can_pay(t) for t in range(len(self.buckets))]}
+
+
+def _chain(depth: int) -> SpecStrategy:
+    return SpecStrategy(depth=depth, topk=1, tokens=depth)
+
+
+def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int) -> float:
+    """Seconds per decode step (depth 0) or SD round of one greedy call, prefill excluded where the
+    engine times it (the torch engine); vLLM counts its prefill as one of the call's steps."""
+    kw = dict(max_new_tokens=new_tokens, temperature=0.0, seed=0)
+    if depth == 0:
+        out = engine.generate(prompts, spec=False, **kw)
+    else:
+        with engine.fixed_strategy(_chain(depth), batch_size=len(prompts)):
+            out = engine.generate(prompts, spec=True, **kw)
+    s = out.stats
+    if s.vllm is not None:
+        return s.time_s / max(1, s.decode_steps)
+    return (s.time_s - s.prefill_s) / max(1, s.decode_steps + s.spec_steps)
+
+
+def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 16, new_tokens: int = 6,
+            seed: int = 0) -> CostCurve:
+    """The curve at the tuner's tiers, for depth 0 and every chain depth among each tier's arms."""
+    t0, rng = time.perf_counter(), random.Random(seed)
+    prompts = [[rng.randrange(3, max(4, min(vocab_size, 4096))) for _ in range(prompt_len)]
+               for _ in range(max(tuner.buckets))]
+    _step_s(engine, prompts[:1], 0, 2)  # warm-up: first calls pay one-off costs
+    rows = []
+    for tier, low in enumerate(tuner.buckets):
+        depths = sorted({0} | {a.depth for a in tuner.arms[tier]})
+        row: list[float | None] = [None] * (max(depths) + 1)
+        for d in depths:
+            row[d] = _step_s(engine, prompts[:low], d, new_tokens)
+        rows.append(row)
+    return CostCurve(list(tuner.buckets), rows, time.perf_counter() - t0)
+
+
+def seed(tuner: StrategyTuner, curve: CostCurve, rate: float = PRIOR_ACCEPT_RATE) -> None:
+    """One predicted reward per arm and tier (see the module doc), so no arm counts as untried."""
+    for tier, arms in enumerate(tuner.arms):
+        for i, arm in enumerate(arms):
+            tuner.rewards[tier][i].append(curve.predicted_reward(tier, arm, rate))
+
+
+def calibrate(engine, tuner: StrategyTuner, vocab_size: int) -> dict:
+    """`measure` on `engine`, then `seed` its bandit; the curve's summary (kept by the engine, for reports)."""
+    curve = measure(engine, tuner, vocab_size)
+    seed(tuner, curve)
+    return curve.summary()
