@@ -3,6 +3,9 @@ field's baselines (bench/baselines.py: SD always on, the best static draft lengt
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
                             [--baselines always,static | none] [--sweep-tokens 16]
+    python bench/rl_step.py conf/longtail.yaml --paired --json out.json [--steps N] [--set rollout.backend=vllm]
+
+--paired: the arms decode the same prompts on the same weights at every step (bench/paired.py).
 """
 import gc
 import json
@@ -190,9 +193,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, ("--no-trl", False, "skip the TRL peer run"),
                                         ("--baselines", "always,static", "baseline arms (bench/baselines.py), or none"),
                                         ("--sweep-tokens", 16, "tokens per call of the static arm's calibration sweep"),
+                                        ("--paired", False, "paired mode: every arm on the same prompts and weights"),
                                         ("--no-vllm", False, "skip the vLLM arms (bench/rl_step_vllm.py)"),
                                         steps=3, out_dir=True), argv)
     vllm_arms = harness.load("rl_step_vllm")
+    if args.paired:
+        with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
+            res = harness.load("paired").run_paired(args, out_dir)
+            return harness.write_result({"mode": "paired", "steps": args.steps, **res}, "rl_step", args, argv)
     with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
         tlt = run_modes(args, out_dir)
         vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(args, out_dir / "vllm")

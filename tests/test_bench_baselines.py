@@ -69,3 +69,33 @@ def test_rollout_bench_grpo_arms_on_smoke():
     table = res["static_table"]
     assert table["buckets"] == sorted(cfg.rollout.tuner_buckets)
     assert all(0 <= d <= cfg.rollout.strategy.depth for d in table["depths"])
+
+
+def test_paired_interval_and_ratios_by_hand():
+    paired = load_bench("paired")
+    ci = paired.interval([1.0, 2.0, 3.0])
+    assert ci["mean"] == 2.0 and ci["n"] == 3
+    assert ci["ci_high"] - 2.0 == pytest.approx(4.302653 * 1.0 / 3 ** 0.5, rel=1e-5)  # t(0.975, 2) * sd / sqrt(n)
+    assert paired.interval([5.0])["ci_low"] is None
+    step = lambda p, a, s, ad: {"plain": {"rollout_s": p, "s_per_token": p / 10}, "always": {"rollout_s": a,  # noqa: E731
+                                "s_per_token": a / 10}, "static": {"rollout_s": s, "s_per_token": s / 20},
+                                "adaptive": {"rollout_s": ad, "s_per_token": ad / 10}}
+    res = paired.summarize([step(4.0, 2.0, 4.0, 2.0), step(6.0, 6.0, 3.0, 3.0)])
+    assert res["paired_rollout_ratio"]["always"]["mean"] == pytest.approx((2.0 + 1.0) / 2)
+    assert res["paired_token_ratio"]["static"]["mean"] == pytest.approx((0.4 / 0.2 + 0.6 / 0.15) / 2)
+    assert res["paired_adaptive_vs_always"] == pytest.approx((1.0 + 2.0) / 2)
+    assert res["paired_adaptive_vs_plain"] == pytest.approx(2.0)
+
+
+@pytest.mark.slow
+def test_paired_mode_on_smoke(tmp_path):
+    bench = load_bench("rl_step")
+    res = bench.main([str(ROOT / "conf" / "smoke.yaml"), "--paired", "--steps", "2", "--sweep-tokens", "4",
+                      "--json", str(tmp_path / "p.json"), "--out-dir", str(tmp_path / "runs")])
+    assert res["mode"] == "paired" and len(res["paired_steps"]) == 2
+    for step in res["paired_steps"]:
+        assert set(step) == {"plain", "always", "static", "adaptive"}
+        assert all(v["tokens"] > 0 and v["rollout_s"] > 0 for v in step.values())
+        assert step["plain"]["enabled_share"] == 0 and step["always"]["enabled_share"] > 0
+    assert res["paired_rollout_ratio"]["adaptive"]["n"] == 2
+    assert res["paired_rollout_ratio"]["always"]["ci_low"] is not None  # two steps: an interval
