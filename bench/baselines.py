@@ -29,7 +29,8 @@ def overrides(arm: str, cfg) -> list[str]:
         raise ValueError(f"unknown baseline arm {arm!r}; one of {', '.join(BASELINES)}")
     common = ["rollout.spec=true", "drafter.schedule=frozen", f"rollout.spec_threshold={every_batch(cfg)}",
               "rollout.spec_patience=0", "rollout.guard_patience=0"]
-    return common + (["rollout.tuner=false"] if arm == "always" else ["rollout.tuner=true"])
+    # static: a tuner object to hold the table, not calibrated (the sweep replaces it)
+    return common + (["rollout.tuner=false"] if arm == "always" else ["rollout.tuner=true", "rollout.tuner_calibrate=false"])
 
 
 def config_update(arm: str, cfg) -> dict:

@@ -27,7 +27,7 @@ MODES = {"adaptive": ["rollout.spec=true", "drafter.where=spot"],  # the recipe'
 TRL_SPEC = ("torch==2.13.0", "trl==1.16.0")  # torch first: the local CPU wheel, never a CUDA build
 CURVES = ("step_s", "rollout_s", "update_policy_s", "update_drafter_s", "reward_mean", "accept_len",
           "spec_enabled_share", "tail_share", "response_length_mean", "drafter_spot_steps",
-          "tokens_per_target_forward", "ngram_share")
+          "tokens_per_target_forward", "ngram_share", "regret")
 KEY = {"plain": "plain", "adaptive": "spec", "frozen": "frozen", "always": "always", "static": "static"}  # run ->
 # suffix of its step_s_* / rollout_s_* keys
 baselines = harness.load("baselines")
@@ -69,6 +69,7 @@ def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None)
             for p in pipes.values():
                 p.drafter.load_state_dict(ref, strict=True)
         table = calibrate_static(pipes[names["static"]], args) if "static" in names else None
+        calibration = {arm: getattr(p.engine, "calibration", None) for arm, p in pipes.items()}
         runs = {arm: {"steps": steps} for arm, steps in harness.run_steps(pipes, args.steps).items()}
         for arm, p in pipes.items():
             if arm in (names.get(b) for b in baselines.BASELINES):
@@ -85,7 +86,8 @@ def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None)
         train_rows, cfg = pipes[names["plain"]].dataset.train, pipes[names["plain"]].cfg
     del pipes  # free the models before the next arms
     gc.collect()
-    return {"runs": runs, "same_warmstart_drafter": same, "train_rows": train_rows, "cfg": cfg, "static_table": table}
+    return {"runs": runs, "same_warmstart_drafter": same, "train_rows": train_rows, "cfg": cfg, "static_table": table,
+            "calibration": calibration}
 
 
 def arm_list(args) -> list[str]:
@@ -158,6 +160,8 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
     return {"steps": steps, "excluded_from_means": "step 0" if steps > 1 else "nothing (one step)",
             **{f"{k}_{KEY[m]}": mean[k][m] for k in ("step_s", "rollout_s") for m in KEY if m in runs},
             **baseline_keys(step, roll), "static_table": tlt.get("static_table"),
+            # the bandit's summed regret after the last step (s), and the engines' start-up calibration
+            "regret": {m: runs[m]["steps"][-1]["regret"] for m in runs}, "calibration": tlt.get("calibration"),
             "step_s_trl": trl["step_s"] if trl else None, "speedup_vs_plain": step["plain"] / step["adaptive"],
             "speedup_frozen_vs_plain": step["plain"] / step["frozen"],
             "speedup_vs_trl": trl["step_s"] / step["adaptive"] if trl else None,

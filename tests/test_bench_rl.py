@@ -73,6 +73,8 @@ def test_benchmark_smoke_two_steps(tmp_path):
     assert res["speedup_vs_static"] == pytest.approx(res["step_s_static"] / res["step_s_spec"])
     assert len(res["static_table"]["depths"]) == len(res["static_table"]["buckets"])
     assert res["curves"]["always"]["spec_enabled_share"][-1] > 0  # the always arm speculates
+    assert res["regret"]["always"] is None and res["regret"]["adaptive"] is not None  # the bandit's, tuner on only
+    assert res["calibration"]["adaptive"]["can_pay"] and res["calibration"]["always"] is None
     # Amdahl: the step speedup bound from the rollout's share and speedup; 1 when SD does not change the rollout
     share, r = res["rollout_share_plain"], res["rollout_speedup"]
     assert 0.0 < share <= 1.0 and res["amdahl_bound"] == pytest.approx(1 / (1 - share + share / r))
