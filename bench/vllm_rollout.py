@@ -3,7 +3,10 @@
 Arms on both engines, same prompts and seed: plain, tail (tlt's tail switch + bandit), always (the
 recipe's fixed strategy at every step) and static (the best draft length per tier of a sweep; both
 from bench/baselines.py); rollout_s_{engine}_{arm}, speedup_{engine}_vs_{always,static} (the
-baseline's rollout over tail's), static_table_{engine}.
+baseline's rollout over tail's), static_table_{engine}. The K = 0 tax: the SD-built engine with
+every tier at K = 0 (`vllm_plain`: SD off, one drafter forward per step still) against an engine
+built without SD on the same prompts (`rollout_s_vllm_plain_engine`, `k0_tax` = the first over the
+second; `--no-k0-tax` skips the second engine).
 
     python bench/vllm_rollout.py conf/default.yaml --json out.json [--reps 2] [--fit-epochs 40] [--set k=v ...]
 """
@@ -93,6 +96,19 @@ def arms(vllm, torch_plain, torch_tail, torch_static, kw: dict, strategy, static
             "torch_always": lambda: always(torch_tail), "torch_static": lambda: torch_static.generate(**kw)}
 
 
+def k0_tax(vllm, model, tok, cfg, eos, kw: dict, reps: int) -> dict:
+    """The SD-built engine at K = 0 everywhere vs a second engine built without SD, interleaved."""
+    plain_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"spec": False})})
+    plain = VllmRolloutEngine.for_run(model, tok, plain_cfg, eos, None, Path("runs") / "bench-vllm-plain")
+    try:
+        best = harness.best_of({"k0": lambda: vllm.generate(**kw, spec=False),
+                                "plain_engine": lambda: plain.generate(**kw, spec=False)}, reps)
+    finally:
+        plain.close()
+    k0, eng = best["k0"][0], best["plain_engine"][0]
+    return {"rollout_s_vllm_k0": round(k0, 3), "rollout_s_vllm_plain_engine": round(eng, 3), "k0_tax": k0 / eng}
+
+
 @contextmanager
 def static_schedule(vllm, table: dict, update: dict):
     """Within the block vLLM runs the static arm's config (`update`: SD at every batch size, no patience,
@@ -104,7 +120,8 @@ def static_schedule(vllm, table: dict, update: dict):
 
 def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, ("--reps", 2, "best of N"), ("--fit-epochs", 0, "drafter fit epochs"),
-                                        ("--fit-prompts", 64, "training prompts the drafter is fit to")), argv)
+                                        ("--fit-prompts", 64, "training prompts the drafter is fit to"),
+                                        ("--no-k0-tax", False, "skip the plain-built engine (the K = 0 tax)")), argv)
     cfg = harness.config(args, "model.dtype=float32", "rollout.drafter=eagle", "rollout.spec=true")
     r, n = cfg.rollout, cfg.rollout.prompts_per_step
     model, tok = load_target(cfg.model)
@@ -138,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
         for eng, b in ((e, b) for e in ("vllm", "torch") for b in baselines.BASELINES):
             res[f"speedup_{eng}_vs_{b}"] = best[f"{eng}_{b}"][0] / best[f"{eng}_tail"][0]
         res.update({f"static_table_{e}": t for e, t in tables.items()})
+        if not args.no_k0_tax:
+            res.update(k0_tax(vllm, model, tok, cfg, eos, kw, args.reps))
         res.update(syncs(vllm, model, drafter), rebuilds=vllm.rebuilds)
     finally:
         vllm.close()

@@ -379,7 +379,8 @@ def test_bench_vllm_rollout_end_to_end(tmp_path):
             "rebuilds", "rollout_s_vllm_plain", "rollout_s_vllm_tail", "rollout_s_vllm_always",
             "rollout_s_torch_plain", "rollout_s_torch_tail", "rollout_s_vllm_static", "rollout_s_torch_always",
             "rollout_s_torch_static", "speedup_vllm_vs_always", "speedup_vllm_vs_static", "speedup_torch_vs_always",
-            "speedup_torch_vs_static", "static_table_vllm", "static_table_torch"}
+            "speedup_torch_vs_static", "static_table_vllm", "static_table_torch", "rollout_s_vllm_k0",
+            "rollout_s_vllm_plain_engine", "k0_tax"}
     assert keys <= set(out), keys - set(out)
     assert out["greedy_identical"] and out["tail_only_drafts"] and out["rebuilds"] == 0
     assert out["drafts_plain"] == 0 and out["drafts_static"] > 0 and out["drafts_static"] >= out["drafts_tail"]

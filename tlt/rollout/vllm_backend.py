@@ -20,7 +20,9 @@ schedule `num_speculative_tokens_per_batch_size = [[1, T, K], [T+1, max_num_seqs
 at most T requests are scheduled, none above. vLLM counts the requests scheduled in a step
 (prefills included), and the K chosen at step t applies at step t+1, so SD starts one step
 after the running count reaches T (the torch engine: at that step). At K = 0 vLLM's EAGLE
-proposer still runs one drafter forward per step, so that its cache stays in sync.
+proposer still runs one drafter forward per step, so that its cache stays in sync (the K = 0 tax;
+measured by bench/vllm_rollout.py as `k0_tax`); once the spec guard has every tier off the engine is
+rebuilt without SD until a new drafter arrives (both rebuilds counted in `rollout/vllm_rebuilds`).
 `spec_patience` p > 0 is emulated by the worker: the schedule's table stays all-zero until the
 count has been <= T for p consecutive steps, so SD starts at the (p+1)-th such step, as in the
 torch engine (p = 0: the one-step lag above).
@@ -155,6 +157,7 @@ class VllmRolloutEngine(TunerState):
         self.tuner = vllm_tuner(cfg, self.k, seed) if self.method else None  # K per tier (vllm_tiers)
         self.guard = SpecGuard.from_config(cfg) if self.method else None
         self.rebuilds, self.trace, self.last_tiers = 0, False, None
+        self.sd_built = self.method is not None  # False after every tier's SD was switched off (_drop_sd_if_all_off)
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
@@ -230,13 +233,17 @@ class VllmRolloutEngine(TunerState):
         old = (self._policy_dir, self._drafter_dir)
         new_drafter = self._write_drafter() if drafter_changed else None
         rebuild = new_drafter is not None and _config(new_drafter) != _config(self._drafter_dir)
+        to_load = new_drafter if self.sd_built else None  # a plain-built engine has no draft model to load into
         if policy:
             self._policy_dir = self._write_policy()
-            reply = self._rpc("reload", weights_dir=str(self._policy_dir), drafter_dir=new_drafter and str(new_drafter),
+            reply = self._rpc("reload", weights_dir=str(self._policy_dir), drafter_dir=to_load and str(to_load),
                               rebuild=rebuild)
         else:
-            reply = self._rpc("drafter", drafter_dir=str(new_drafter), rebuild=rebuild)
+            reply = self._rpc("drafter", drafter_dir=str(to_load), rebuild=rebuild) if to_load else \
+                {"mode": "in_place", "time_s": 0.0}
         self._drafter_dir = new_drafter or self._drafter_dir
+        if new_drafter is not None and not self.sd_built:  # the guard re-arms for it: SD is built back in
+            reply = self._respec(self.method, reply)
         self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
         if new_drafter is not None and self.guard is not None:
             self.guard.rearm()  # a new drafter may speculate in every tier again
@@ -260,11 +267,25 @@ class VllmRolloutEngine(TunerState):
         woke, self.asleep = self.asleep, False
         return {"rollout/vllm_wake_s": self._rpc("wake")["time_s"]} if woke else {}
 
+    def _respec(self, method: str | None, before: dict | None = None) -> dict:
+        """Rebuild the engine with speculation `method` (None: a plain engine, no drafter forward per
+        step: the K = 0 tax), counted in `rollout/vllm_rebuilds`; `before`: a reply of the same sync."""
+        reply = self._rpc("respec", method=method, drafter_dir=self._drafter_dir and str(self._drafter_dir))
+        self.sd_built = method is not None
+        return {"mode": "rebuild", "time_s": reply["time_s"] + (before or {}).get("time_s", 0.0)}
+
+    def _drop_sd_if_all_off(self) -> None:
+        """Every tier switched off by the spec guard: SD cannot run until the drafter changes, yet an SD-built
+        engine still pays one drafter forward per step; rebuild it plain (counted) until a new drafter."""
+        if self.sd_built and self.guard is not None and self.guard.tripped == len(self.guard.buckets):
+            self._respec(None)
+            self.rebuilds += 1
+
     def _check_drafter(self) -> dict[str, float]:
         """The engine's drafter gives the exported drafter's logits on the guard's probe, or
         `tlt.rollout.guard.DrafterMismatch` (after every load: engine start, reloads, policy syncs,
         which change the embedding vLLM's drafter shares)."""
-        if self.method != "eagle3":
+        if self.method != "eagle3" or not self.sd_built:
             return {}
         path, out = self.work / "probe.safetensors", self.work / "probe-logits.safetensors"
         if self._probe is None:
@@ -318,6 +339,7 @@ class VllmRolloutEngine(TunerState):
         batch = reply_batch(prompts, group_size, reply, time.perf_counter() - t0, sd["sd_k"])
         if plan is not None:
             plan.observe(reply["step_log"], threshold, batch.stats)
+            self._drop_sd_if_all_off()
         self.last_tiers = plan.tiers if plan is not None else None
         return batch
 
@@ -328,6 +350,8 @@ class VllmRolloutEngine(TunerState):
             return off
         s = self.cfg.strategy
         check_spec(self.capabilities, s)
+        if not self.sd_built:  # rebuilt plain: the guard has every tier off (see _drop_sd_if_all_off)
+            return off
         if temperature > 0 and not self.sampled_sd:
             warnings.warn("this vLLM build failed tlt's rejection-sampler probe: speculative "
                           "decoding would sample wrong tokens at temperature > 0 (tlt/rollout/vllm_ext.py: "

@@ -17,6 +17,7 @@ Requests:
                 drafted_pos}
   reload    {weights_dir, drafter_dir | null, rebuild}: new policy weights in place (+ a drafter)
   drafter   {drafter_dir, rebuild}: a new EAGLE-3 export, in place unless `rebuild`
+  respec    {method, drafter_dir}: rebuilt with speculation `method` (null: a plain engine)
   probe     {probe, out}: the live drafter's logits on the probe file (tlt.rollout.guard), into `out`
   sleep, wake  {}: vLLM sleep mode, level 1 (engines built with it, vllm_options.py), and back
   exit
@@ -337,6 +338,11 @@ class Worker:
             return {"mode": "rebuild", "time_s": self.build()}
         return {"mode": "in_place", "time_s": self._rpc("tlt_reload_drafter", self.drafter_dir)["time_s"]}
 
+    def respec(self, req: dict) -> dict:
+        """A rebuild with speculation `method` (None: plain) and `drafter_dir` (the backend's K = 0 remedy)."""
+        self.spec["method"], self.drafter_dir = req.get("method"), req.get("drafter_dir") or self.drafter_dir
+        return {"mode": "rebuild", "time_s": self.build()}
+
     def probe(self, req: dict) -> dict:
         """The live drafter's logits on tlt's probe (vllm_ext.tlt_probe_drafter), written to `out`."""
         return self._rpc("tlt_probe_drafter", req["probe"], req["out"])
@@ -366,7 +372,7 @@ def serve(inp, out) -> int:
                 reply = worker.init(req)
             elif op == "generate":
                 reply = generate(worker.llm, req, emit, worker.schedule, worker.tap)
-            elif op in ("reload", "drafter", "probe", "sleep", "wake"):  # sleep, wake: vllm_options.py
+            elif op in ("reload", "drafter", "respec", "probe", "sleep", "wake"):  # sleep, wake: vllm_options.py
                 reply = getattr(worker, op)(req) if hasattr(worker, op) else getattr(vllm_options, op)(worker.llm)
             else:
                 raise ValueError(f"unknown op {op!r}")
