@@ -99,3 +99,13 @@ def test_paired_mode_on_smoke(tmp_path):
         assert step["plain"]["enabled_share"] == 0 and step["always"]["enabled_share"] > 0
     assert res["paired_rollout_ratio"]["adaptive"]["n"] == 2
     assert res["paired_rollout_ratio"]["always"]["ci_low"] is not None  # two steps: an interval
+
+
+def test_paired_results_render_apart_from_the_rl_step_table():
+    render = load_bench("render")
+    ratio = {"mean": 1.1, "ci_low": 0.9, "ci_high": 1.3, "n": 3}
+    paired = {"command": "python bench/rl_step.py conf/longtail.yaml --paired", "mode": "paired", "steps": 3,
+              "paired_rollout_ratio": {"always": ratio, "static": ratio, "adaptive": {**ratio, "mean": 0.95}}}
+    block = render.paired_block({"p": paired}, "results")
+    assert "[`conf/longtail.yaml`](results/p.json) | 3 | 1.10× (95 % CI 0.90–1.30)" in block and "0.95×" in block
+    assert render.rl_step_block({"p": paired}, "results").startswith("Whole RL steps: not measured")
