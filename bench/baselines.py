@@ -12,7 +12,7 @@ Both decode with the warm-start drafter (no drafter training in the run), so tha
 import time
 
 from tlt.config import SpecStrategy
-from tlt.rollout.tuner import StrategyTuner
+from tlt.rollout import schedules
 
 BASELINES = ("always", "static")
 
@@ -76,5 +76,10 @@ def sweep(engine, prompts: list[list[int]], buckets: list[int], max_depth: int, 
 
 
 def install_static(engine, table: dict) -> None:
-    """The engine's bandit replaced by the fixed table of `sweep` (StrategyTuner.static)."""
-    engine.tuner = StrategyTuner.static(table["buckets"], table["depths"])
+    """The engine's bandit replaced by the fixed table of `sweep` (tlt.rollout.schedules)."""
+    schedules.install_static(engine, table["buckets"], table["depths"])
+
+
+def static_schedule(engine, table: dict, threshold: int):
+    """`sweep`'s table in place of the engine's bandit for a block (tlt.rollout.schedules.static_schedule)."""
+    return schedules.static_schedule(engine, table["buckets"], table["depths"], threshold)

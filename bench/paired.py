@@ -24,8 +24,6 @@ import numpy as np
 from scipy import stats
 
 import harness
-from tlt.rollout.capabilities import swapped
-from tlt.rollout.tuner import StrategyTuner
 
 baselines = harness.load("baselines")
 ARMS = ("plain", "always", "static", "adaptive")
@@ -50,9 +48,7 @@ def decode_arm(engine, arm: str, prompts, cfg, table: dict, seed: int):
         with engine.fixed_strategy(r.strategy, batch_size=len(prompts) * r.group_size):
             return engine.generate(prompts, spec=True, **kw)
     if arm == "static":
-        update = baselines.config_update("static", cfg)
-        static = StrategyTuner.static(table["buckets"], table["depths"])
-        with swapped(engine, cfg=engine.cfg.model_copy(update=update), tuner=static):
+        with baselines.static_schedule(engine, table, baselines.every_batch(cfg)):
             return engine.generate(prompts, spec=True, **kw)
     return engine.generate(prompts, spec=r.spec, **kw)
 

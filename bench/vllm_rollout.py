@@ -10,7 +10,6 @@ second; `--no-k0-tax` skips the second engine).
 
     python bench/vllm_rollout.py conf/default.yaml --json out.json [--reps 2] [--fit-epochs 40] [--set k=v ...]
 """
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, fit
 from tlt.models import eos_token_ids, load_target
 from tlt.rollout import RolloutEngine, StrategyTuner
-from tlt.rollout.capabilities import swapped
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.versions import bump
 
@@ -78,8 +76,8 @@ def syncs(vllm, model, drafter) -> dict:
 
 
 def arms(vllm, torch_plain, torch_tail, torch_static, kw: dict, strategy, static: tuple) -> dict:
-    """name -> callable of every timed arm (harness.best_of); vLLM's static arm: `static` = (its table, its
-    config update), swapped in for its call only."""
+    """name -> callable of every timed arm (harness.best_of); vLLM's static arm: `static` = (its table, the
+    threshold of SD at every batch), swapped in for its call only."""
     batch = len(kw["prompts"]) * kw["group_size"]
 
     def always(engine):
@@ -87,7 +85,7 @@ def arms(vllm, torch_plain, torch_tail, torch_static, kw: dict, strategy, static
             return engine.generate(**kw)
 
     def vllm_static():
-        with static_schedule(vllm, *static):
+        with baselines.static_schedule(vllm, *static):
             return vllm.generate(**kw)
 
     return {"vllm_plain": lambda: vllm.generate(**kw, spec=False), "vllm_tail": lambda: vllm.generate(**kw),
@@ -107,15 +105,6 @@ def k0_tax(vllm, model, tok, cfg, eos, kw: dict, reps: int) -> dict:
         plain.close()
     k0, eng = best["k0"][0], best["plain_engine"][0]
     return {"rollout_s_vllm_k0": round(k0, 3), "rollout_s_vllm_plain_engine": round(eng, 3), "k0_tax": k0 / eng}
-
-
-@contextmanager
-def static_schedule(vllm, table: dict, update: dict):
-    """Within the block vLLM runs the static arm's config (`update`: SD at every batch size, no patience,
-    no guard) with the sweep's table in place of its bandit."""
-    with swapped(vllm, cfg=vllm.cfg.model_copy(update=update), tuner=StrategyTuner.static(table["buckets"],
-                                                                                          table["depths"])):
-        yield
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         tables = {name: baselines.sweep(eng, prompts, r.tuner_buckets, r.strategy.depth, temperature=r.temperature)
                   for name, eng in (("vllm", vllm), ("torch", torch_static))}
         baselines.install_static(torch_static, tables["torch"])
-        static = (tables["vllm"], baselines.config_update("static", cfg))
+        static = (tables["vllm"], baselines.every_batch(cfg))
         best = harness.best_of(arms(vllm, torch_plain, torch_tail, torch_static, kw, r.strategy, static), args.reps)
         for name, (s, out) in best.items():
             res.update({f"rollout_s_{name}": round(s, 3), f"tokens_{name}": sum(map(len, out.response_ids)),

@@ -66,3 +66,17 @@ def test_measure_and_calibrate_on_a_tiny_engine():
     summary = calibrate(engine, tuner, vocab_size=64)
     assert all(len(r) == 1 for b in tuner.rewards for r in b)  # one predicted reward per arm: nothing untried
     assert len(summary["can_pay"]) == 2 and summary["seconds"] > 0
+
+
+def test_calibrated_only_when_asked():
+    from tlt.rollout.breakeven import calibrated
+
+    model = tiny_model("llama", layers=2, hidden=64, vocab=64, seed=1)
+    cfg = RolloutConfig(max_new_tokens=8, tuner=True, drafter="ngram", tuner_calibrate=False)
+    tuner = StrategyTuner([[PLAIN, C1]], [1], epsilon=0.1)
+    engine = calibrated(RolloutEngine(model, cfg, eos_ids=[], pad_id=0, tuner=tuner), tuner, cfg, 64)
+    assert engine.calibration is None and all(len(r) == 0 for r in tuner.rewards[0])
+    on = cfg.model_copy(update={"tuner_calibrate": True})
+    assert calibrated(engine, tuner, on, 64).calibration["can_pay"] is not None
+    assert all(len(r) == 1 for r in tuner.rewards[0])
+    assert calibrated(engine, None, on, 64).calibration is None  # no bandit, nothing to seed

@@ -119,3 +119,10 @@ def calibrate(engine, tuner: StrategyTuner, vocab_size: int) -> dict:
     curve = measure(engine, tuner, vocab_size)
     seed(tuner, curve)
     return curve.summary()
+
+
+def calibrated(engine, tuner: StrategyTuner | None, r, vocab_size: int):
+    """`engine`, its bandit `tuner` calibrated first when `rollout.tuner_calibrate` (with SD on and a bandit);
+    `engine.calibration`: the curve's summary (None when not calibrated)."""
+    engine.calibration = calibrate(engine, tuner, vocab_size) if r.spec and r.tuner_calibrate and tuner else None
+    return engine

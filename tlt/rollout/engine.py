@@ -128,8 +128,6 @@ class RolloutEngine(TunerState):
         outs.stats.time_s = time.perf_counter() - t0
         if self.cfg.guard_patience and use_spec:
             outs.stats.guard_tripped = self.guard.observe(outs.steps)
-        if self.tuner is not None and use_spec:
-            outs.stats.regret = self.tuner.regret_stats()
         outs.stats.target_forwards = self.forward_calls - calls0
         batch = outs.to_batch(prompts, group_size)
         for p, r in zip(batch.prompt_ids, batch.response_ids):
@@ -283,6 +281,7 @@ class RolloutEngine(TunerState):
         if self.tuner is not None:
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9), seconds=dt)
             outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
+            outs.stats.regret = self.tuner.regret_stats()  # cumulative: the value after this call's last round
 
     def _retire(self, st: DecodeState, outs) -> None:
         """Drop finished rows from the batch (cache rows too) and compact the cache when sparse."""

