@@ -13,6 +13,7 @@ import time
 
 from tlt.config import SpecStrategy
 from tlt.rollout import schedules
+from tlt.rollout.tuner import StrategyTuner
 
 BASELINES = ("always", "static")
 
@@ -73,6 +74,11 @@ def sweep(engine, prompts: list[list[int]], buckets: list[int], max_depth: int, 
         grid.append(best)
     return {"buckets": sorted(buckets), "depths": [max(range(len(row)), key=row.__getitem__) for row in grid],
             "tokens_per_s": grid, "max_new_tokens": max_new_tokens, "temperature": temperature}
+
+
+def static_tuner(table: dict):
+    """`sweep`'s table as the fixed schedule an engine is built with (`tuner=`)."""
+    return StrategyTuner.static(table["buckets"], table["depths"])
 
 
 def install_static(engine, table: dict) -> None:

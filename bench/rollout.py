@@ -122,10 +122,9 @@ def grpo_arms(cfg, model, tok, drafter, prompts: str, reps: int, eos_ids, pad_id
     spec = RolloutEngine(model, g, eos_ids, pad_id, drafter=drafter, tuner=tuned)
     always = RolloutEngine(model, g.model_copy(update=baselines.config_update("always", cfg)), eos_ids, pad_id,
                            drafter=drafter)
+    table = baselines.sweep(always, group, g.tuner_buckets, g.strategy.depth, temperature=1.0)
     static = RolloutEngine(model, g.model_copy(update=baselines.config_update("static", cfg)), eos_ids, pad_id,
-                           drafter=drafter)
-    table = baselines.sweep(static, group, g.tuner_buckets, g.strategy.depth, temperature=1.0)
-    baselines.install_static(static, table)
+                           drafter=drafter, tuner=baselines.static_tuner(table))
     kw = dict(group_size=g.group_size, temperature=1.0, seed=0)
     best = harness.best_of({"plain": lambda: plain.generate(group, spec=False, **kw),
                             "spec": lambda: spec.generate(group, spec=True, **kw),

@@ -128,14 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
     torch_tail = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter,
                                tuner=StrategyTuner.from_config(r, seed=cfg.rl.seed) if r.tuner else None)
     kw = dict(prompts=prompts, group_size=r.group_size, temperature=r.temperature, seed=1)
-    torch_static = RolloutEngine(model, r.model_copy(update=baselines.config_update("static", cfg)), eos,
-                                 tok.pad_token_id, drafter=drafter)
     try:
         vllm.generate(prompts, temperature=0.0, spec_threshold=len(prompts))  # first calls warm vLLM's kernels up
         res.update(greedy_checks(vllm, torch_plain, prompts, r.spec_threshold))
         tables = {name: baselines.sweep(eng, prompts, r.tuner_buckets, r.strategy.depth, temperature=r.temperature)
-                  for name, eng in (("vllm", vllm), ("torch", torch_static))}
-        baselines.install_static(torch_static, tables["torch"])
+                  for name, eng in (("vllm", vllm), ("torch", torch_plain))}
+        torch_static = RolloutEngine(model, r.model_copy(update=baselines.config_update("static", cfg)), eos,
+                                     tok.pad_token_id, drafter=drafter, tuner=baselines.static_tuner(tables["torch"]))
         static = (tables["vllm"], baselines.every_batch(cfg))
         best = harness.best_of(arms(vllm, torch_plain, torch_tail, torch_static, kw, r.strategy, static), args.reps)
         for name, (s, out) in best.items():
