@@ -27,7 +27,12 @@ def test_break_even_and_predicted_rewards_by_hand():
     assert CURVE.break_even(0, 4) == CURVE.break_even(0, 2)
     s = CURVE.summary()
     assert s["can_pay"] == [True, False] and s["break_even"][1] == [None, pytest.approx(3.5), pytest.approx(5.0)]
-    assert CURVE.predicted_reward(0, deeper) > 0
+    assert CURVE.predicted_reward(0, deeper) == pytest.approx(CURVE.predicted_reward(0, C2))
+    ngram = CostCurve([1, 5], CURVE.round_s, ngram_s=[[None, None, None, 0.045], [None] * 4])
+    n3 = SpecStrategy(depth=3, topk=1, tokens=3, source="ngram")
+    assert ngram.break_even(0, 3, "ngram") == pytest.approx(0.045 / 0.04)  # no drafter forwards: cheaper rounds
+    assert ngram.predicted_reward(0, n3, rate=0.5) == pytest.approx(1.875 / 0.045)
+    assert ngram.break_even(1, 3, "ngram") == CURVE.break_even(1, 3)  # none measured there: a drafter chain's price
 
 
 def _true_reward(tier: int, arm: SpecStrategy, rng: random.Random) -> float:
@@ -57,9 +62,11 @@ def test_a_tier_that_cannot_pay_is_explored_at_most_epsilon(calibrated):
 def test_measure_and_calibrate_on_a_tiny_engine():
     model = tiny_model("llama", layers=2, hidden=64, vocab=64, seed=1)
     cfg = RolloutConfig(max_new_tokens=8, tuner=True, drafter="ngram", strategy=SpecStrategy(depth=2, topk=1, tokens=2))
-    tuner = StrategyTuner([[PLAIN, C1, C2], [PLAIN, C2]], [1, 3], epsilon=0.1)
+    n4 = SpecStrategy(depth=4, topk=1, tokens=4, source="ngram")
+    tuner = StrategyTuner([[PLAIN, C1, C2], [PLAIN, C2, n4]], [1, 3], epsilon=0.1)
     engine = RolloutEngine(model, cfg, eos_ids=[], pad_id=0, tuner=tuner)
     curve = measure(engine, tuner, vocab_size=64, new_tokens=4)
+    assert curve.ngram_s[0] == [None] and curve.ngram_s[1][4] > 0 and curve.ngram_s[1][:4] == [None] * 4
     assert curve.buckets == [1, 3] and [len(r) for r in curve.round_s] == [3, 3]
     assert curve.round_s[1][1] is None and all(s > 0 for r in curve.round_s for s in r if s is not None)
     assert engine.tuner is tuner and all(len(r) == 0 for b in tuner.rewards for r in b)  # measuring is not playing

@@ -34,55 +34,64 @@ def expected_accept(depth: int, rate: float) -> float:
 
 @dataclass
 class CostCurve:
-    """round_s[tier][d]: seconds of one decode step (d = 0) or one SD round of a depth-d chain at the
-    tier's lowest batch size; None where that depth was not measured."""
+    """round_s[tier][d]: seconds of one decode step (d = 0) or one SD round of a depth-d drafter chain at
+    the tier's lowest batch size, None where not measured; ngram_s[tier][d] the same for n-gram chains
+    (no drafter forwards), where the tier has n-gram arms. Trees are priced as chains of their depth."""
 
     buckets: list[int]
     round_s: list[list[float | None]]
     seconds: float = 0.0  # what measuring took
+    ngram_s: list[list[float | None]] | None = None
 
-    def _at(self, tier: int, depth: int) -> tuple[int, float]:
+    def _at(self, tier: int, depth: int, source: str = "drafter") -> tuple[int, float]:
         """The measured depth closest to `depth` from below (deeper arms than measured: the deepest) and its time."""
+        if source == "ngram" and self.ngram_s:  # n-gram chains where measured, else priced as drafter chains
+            found = [i for i, s in enumerate(self.ngram_s[tier][:depth + 1]) if i and s is not None]
+            if found:
+                return found[-1], self.ngram_s[tier][found[-1]]
         row = self.round_s[tier]
-        d = max(i for i, s in enumerate(row[:depth + 1] or row[:1]) if s is not None)
+        d = max(i for i, s in enumerate(row[:depth + 1]) if s is not None)
         return d, row[d]
 
-    def break_even(self, tier: int, depth: int) -> float:
+    def break_even(self, tier: int, depth: int, source: str = "drafter") -> float:
         """Accept length (tokens per row and round) at which a depth-`depth` round pays as much as plain steps."""
-        return self._at(tier, depth)[1] / self.round_s[tier][0]
+        return self._at(tier, depth, source)[1] / self.round_s[tier][0]
 
     def can_pay(self, tier: int) -> bool:
         """Some measured depth breaks even below its reachable accept length (depth + 1)."""
-        return any(s is not None and s / self.round_s[tier][0] < d + 1 for d, s in enumerate(self.round_s[tier]) if d)
+        rows = [self.round_s[tier]] + ([self.ngram_s[tier]] if self.ngram_s else [])
+        return any(s is not None and s / self.round_s[tier][0] < d + 1 for row in rows for d, s in enumerate(row) if d)
 
     def predicted_reward(self, tier: int, arm: SpecStrategy, rate: float = PRIOR_ACCEPT_RATE) -> float:
         """Tokens per second the bandit would measure for `arm` in `tier` (its reward's unit)."""
         b = self.buckets[tier]
         if arm.plain:
             return b / self.round_s[tier][0]
-        d, s = self._at(tier, arm.depth)
+        d, s = self._at(tier, arm.depth, arm.source)
         return b * expected_accept(d, rate) / s
 
     def summary(self) -> dict:
-        """JSON-able: the curve, break-even per tier and measured depth, which tiers can pay, seconds."""
-        return {"buckets": self.buckets, "round_s": self.round_s, "seconds": self.seconds,
-                "break_even": [[None if s is None or not d else s / row[0] for d, s in enumerate(row)]
-                               for row in self.round_s],
+        """JSON-able: the curves, break-even per tier and measured depth, which tiers can pay, seconds."""
+        def ratios(rows):
+            return [[None if s is None or not d else s / base[0] for d, s in enumerate(row)]
+                    for row, base in zip(rows, self.round_s)]
+        return {"buckets": self.buckets, "round_s": self.round_s, "ngram_s": self.ngram_s, "seconds": self.seconds,
+                "break_even": ratios(self.round_s), "break_even_ngram": ratios(self.ngram_s) if self.ngram_s else None,
                 "can_pay": [self.can_pay(t) for t in range(len(self.buckets))]}
 
 
-def _chain(depth: int) -> SpecStrategy:
-    return SpecStrategy(depth=depth, topk=1, tokens=depth)
+def _chain(depth: int, source: str = "drafter") -> SpecStrategy:
+    return SpecStrategy(depth=depth, topk=1, tokens=depth, source=source)
 
 
-def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int) -> float:
+def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, source: str = "drafter") -> float:
     """Seconds per decode step (depth 0) or SD round of one greedy call, prefill excluded where the
     engine times it (the torch engine); vLLM counts its prefill as one of the call's steps."""
     kw = dict(max_new_tokens=new_tokens, temperature=0.0, seed=0)
     if depth == 0:
         out = engine.generate(prompts, spec=False, **kw)
     else:
-        with engine.fixed_strategy(_chain(depth), batch_size=len(prompts)):
+        with engine.fixed_strategy(_chain(depth, source), batch_size=len(prompts)):
             out = engine.generate(prompts, spec=True, **kw)
     s = out.stats
     if s.vllm is not None:
@@ -97,14 +106,17 @@ def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 16,
     prompts = [[rng.randrange(3, max(4, min(vocab_size, 4096))) for _ in range(prompt_len)]
                for _ in range(max(tuner.buckets))]
     _step_s(engine, prompts[:1], 0, 2)  # warm-up: first calls pay one-off costs
-    rows = []
+    rows, ngram = [], []
     for tier, low in enumerate(tuner.buckets):
-        depths = sorted({0} | {a.depth for a in tuner.arms[tier]})
-        row: list[float | None] = [None] * (max(depths) + 1)
-        for d in depths:
-            row[d] = _step_s(engine, prompts[:low], d, new_tokens)
-        rows.append(row)
-    return CostCurve(list(tuner.buckets), rows, time.perf_counter() - t0)
+        for source, out in (("drafter", rows), ("ngram", ngram)):
+            depths = sorted({a.depth for a in tuner.arms[tier] if not a.plain and a.source == source}
+                            | ({0} if source == "drafter" else set()))
+            row: list[float | None] = [None] * (max(depths, default=0) + 1)
+            for d in depths:
+                row[d] = _step_s(engine, prompts[:low], d, new_tokens, source)
+            out.append(row)
+    has_ngram = any(s is not None for row in ngram for s in row)
+    return CostCurve(list(tuner.buckets), rows, time.perf_counter() - t0, ngram if has_ngram else None)
 
 
 def seed(tuner: StrategyTuner, curve: CostCurve, rate: float = PRIOR_ACCEPT_RATE) -> None:
