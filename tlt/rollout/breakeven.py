@@ -91,7 +91,8 @@ def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, sourc
     if depth == 0:
         out = engine.generate(prompts, spec=False, **kw)
     else:
-        with engine.fixed_strategy(_chain(depth, source), batch_size=len(prompts)):
+        sources = engine.capabilities.sources  # an arm's source the engine drafts from, else its own (vLLM n-gram)
+        with engine.fixed_strategy(_chain(depth, source if source in sources else min(sources)), len(prompts)):
             out = engine.generate(prompts, spec=True, **kw)
     s = out.stats
     if s.vllm is not None:
