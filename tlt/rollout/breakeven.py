@@ -2,8 +2,9 @@
 accept length per batch-size tier, and the bandit seeded from them.
 
 At engine start, a few short greedy calls per tier (`rollout.tuner_buckets`, at the tier's lowest batch
-size, on random prompts) time one decode step (depth 0) and one SD round of each chain depth the
-tier's arms draft (the engine's `fixed_strategy`: draft + verify, every step a round). A round of depth
+size, on random prompts) time one decode step (depth 0) and one SD round at the shallowest and the
+deepest chain the tier's arms draft (the engine's `fixed_strategy`: draft + verify, every step a
+round); the depths between are interpolated. A round of depth
 d emits at most d + 1 tokens per row where a plain step emits 1, so the tier's break-even accept length
 for depth d is round_s[d] / round_s[0]; SD can pay at d only if that is below d + 1 (every draft
 accepted). The bandit (StrategyTuner) then starts with one predicted reward per arm instead of
@@ -100,21 +101,28 @@ def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, sourc
     return (s.time_s - s.prefill_s) / max(1, s.decode_steps + s.spec_steps)
 
 
-def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 16, new_tokens: int = 6,
+def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 8, new_tokens: int = 4,
             seed: int = 0) -> CostCurve:
-    """The curve at the tuner's tiers, for depth 0 and every chain depth among each tier's arms."""
+    """The curve at the tuner's tiers: the plain step, and per draft source the shallowest and deepest
+    chain among the tier's arms; the depths between are interpolated (a round's cost is linear in its
+    depth: d drafter forwards and d + 1 verified tokens per row). Each tier's batch is warmed up first
+    (a batch size's first call pays one-off allocations, which would inflate the plain step)."""
     t0, rng = time.perf_counter(), random.Random(seed)
     prompts = [[rng.randrange(3, max(4, min(vocab_size, 4096))) for _ in range(prompt_len)]
                for _ in range(max(tuner.buckets))]
-    _step_s(engine, prompts[:1], 0, 2)  # warm-up: first calls pay one-off costs
     rows, ngram = [], []
     for tier, low in enumerate(tuner.buckets):
+        _step_s(engine, prompts[:low], 0, 2)  # warm-up at this batch size
+        plain = _step_s(engine, prompts[:low], 0, new_tokens)
         for source, out in (("drafter", rows), ("ngram", ngram)):
-            depths = sorted({a.depth for a in tuner.arms[tier] if not a.plain and a.source == source}
-                            | ({0} if source == "drafter" else set()))
+            depths = sorted({a.depth for a in tuner.arms[tier] if not a.plain and a.source == source})
             row: list[float | None] = [None] * (max(depths, default=0) + 1)
-            for d in depths:
-                row[d] = _step_s(engine, prompts[:low], d, new_tokens, source)
+            row[0] = plain if source == "drafter" else None
+            if depths:
+                lo, hi = depths[0], depths[-1]
+                ends = {d: _step_s(engine, prompts[:low], d, new_tokens, source) for d in {lo, hi}}
+                for d in depths:
+                    row[d] = ends[lo] + (ends[hi] - ends[lo]) * (d - lo) / (hi - lo) if hi > lo else ends[lo]
             out.append(row)
     has_ngram = any(s is not None for row in ngram for s in row)
     return CostCurve(list(tuner.buckets), rows, time.perf_counter() - t0, ngram if has_ngram else None)
