@@ -33,7 +33,7 @@ STEP_METRICS = {  # step record key -> the RL step's metric
     "tail_share": "rollout/tail_share", "response_length_mean": "rollout/response_length/mean",
     "tokens_per_target_forward": "rollout/tokens_per_target_forward", "drafter_spot_steps": "drafter/spot_steps",
     "drafter_steps_total": "drafter/steps", "drafter_loss": "drafter/loss", "buffer_tokens": "drafter/buffer_tokens",
-    "rebuilds": "rollout/vllm_rebuilds", "guard_tripped": "spec/guard_tripped"}
+    "rebuilds": "rollout/vllm_rebuilds", "guard_tripped": "spec/guard_tripped", "regret": "spec/regret"}
 if str(ROOT / "bench") not in sys.path:  # the suites import this module and each other by name
     sys.path.insert(0, str(ROOT / "bench"))
 

@@ -159,6 +159,12 @@ RL_STEP_ROWS = [  # (label, cell from one rl_step result)
     ("best vLLM step vs torch plain / vs best torch step",
      lambda r: f"{x(r['speedup_vllm_vs_torch_plain'])} / {x(r['speedup_vllm_vs_torch'])}"
      if r.get("speedup_vllm_vs_torch") else NOT_MEASURED),
+    ("RL step, SD + spot vs SD always on / vs the best static schedule (torch; vLLM)",
+     lambda r: f"{x(r['speedup_vs_always'])} / {x(r['speedup_vs_static'])}"
+               + (f"; {x(r['speedup_vllm_vs_always'])} / {x(r['speedup_vllm_vs_static'])}"
+                  if r.get("speedup_vllm_vs_static") else "") if r.get("speedup_vs_static") else NOT_MEASURED),
+    ("bandit regret after the last step, SD + spot arm", lambda r: f"{r['regret']['adaptive']:.2f} s"
+     if (r.get("regret") or {}).get("adaptive") is not None else NOT_MEASURED),
     ("TRL GRPOTrainer step (same precision) / best tlt step",
      lambda r: f"{r['step_s_trl']:.1f} s, tlt {x(r['speedup_vs_trl'])} faster" if r.get("step_s_trl") else NOT_MEASURED),
     ("greedy held-out eval identical with SD on and off: torch / vLLM",
@@ -169,11 +175,28 @@ RL_STEP_ROWS = [  # (label, cell from one rl_step result)
 
 def rl_step_block(results: dict, prefix: str) -> str:
     """bench/rl_step.py: whole RL steps per arm, the vLLM arms and TRL's GRPOTrainer."""
-    runs = {n: r for n, r in results.items() if suite(r) == "rl_step"}
+    runs = {n: r for n, r in results.items() if suite(r) == "rl_step" and r.get("mode") != "paired"}
     if not runs:
         return f"Whole RL steps: {NOT_MEASURED}."
     return recipe_table(runs, "arm", RL_STEP_ROWS, prefix) + \
         "\n\nMeans over steps 1..N-1; machines and commands in the index above."
+
+
+def paired_block(results: dict, prefix: str) -> str:
+    """bench/rl_step.py --paired: per arm, the paired rollout ratio plain / arm with its 95 % interval."""
+    runs = {n: r for n, r in results.items() if suite(r) == "rl_step" and r.get("mode") == "paired"}
+    if not runs:
+        return f"Paired mode: {NOT_MEASURED}."
+    out = ["| recipe | steps | " + " | ".join(f"plain / {a} (rollout)" for a in ("always", "static", "adaptive")) + " |",
+           "|---|---|---|---|---|"]
+    for n, r in runs.items():
+        cells = []
+        for a in ("always", "static", "adaptive"):
+            c = r["paired_rollout_ratio"][a]
+            ci = f" (95 % CI {c['ci_low']:.2f}–{c['ci_high']:.2f})" if c["ci_low"] is not None else ""
+            cells.append(f"{x(c['mean'])}{ci}")
+        out.append(f"| [`{recipe(r)}`]({prefix}/{n}.json) | {r['steps']} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
 
 
 def rollout_block(results: dict, prefix: str) -> str:
@@ -241,6 +264,7 @@ def drift_block(results: dict, prefix: str) -> str:
 
 
 BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
+          "paired": paired_block,
           "rollout": rollout_block, "schedules": schedules_block, "drift": drift_block, "status": status_block}
 
 

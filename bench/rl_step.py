@@ -1,6 +1,11 @@
-"""RL step benchmark: tlt's GRPO loop plain, with the adaptive drafter and with a frozen drafter, and TRL.
+"""RL step benchmark: tlt's GRPO loop plain, with the adaptive drafter and with a frozen drafter, the
+field's baselines (bench/baselines.py: SD always on, the best static draft length per tier), and TRL.
 
     python bench/rl_step.py conf/default.yaml --json out.json [--steps N] [--set k=v ...] [--no-trl] [--no-vllm]
+                            [--baselines always,static | none] [--sweep-tokens 16]
+    python bench/rl_step.py conf/longtail.yaml --paired --json out.json [--steps N] [--set rollout.backend=vllm]
+
+--paired: the arms decode the same prompts on the same weights at every step (bench/paired.py).
 """
 import gc
 import json
@@ -22,17 +27,38 @@ MODES = {"adaptive": ["rollout.spec=true", "drafter.where=spot"],  # the recipe'
 TRL_SPEC = ("torch==2.13.0", "trl==1.16.0")  # torch first: the local CPU wheel, never a CUDA build
 CURVES = ("step_s", "rollout_s", "update_policy_s", "update_drafter_s", "reward_mean", "accept_len",
           "spec_enabled_share", "tail_share", "response_length_mean", "drafter_spot_steps",
-          "tokens_per_target_forward", "ngram_share")
-KEY = {"plain": "plain", "adaptive": "spec", "frozen": "frozen"}  # run -> suffix of its step_s_* / rollout_s_* keys
+          "tokens_per_target_forward", "ngram_share", "regret")
+KEY = {"plain": "plain", "adaptive": "spec", "frozen": "frozen", "always": "always", "static": "static"}  # run ->
+# suffix of its step_s_* / rollout_s_* keys
+baselines = harness.load("baselines")
+
+
+def mode_overrides(mode: str, base) -> list[str]:
+    """Config overrides of one arm: MODES' three, or a baseline of bench/baselines.py (from the base config)."""
+    return list(MODES[mode]) if mode in MODES else baselines.overrides(mode, base)
+
+
+def calibrate_static(pipe, args) -> dict:
+    """The static arm's table: bench/baselines.sweep on its engine (warm-start drafter, held-out prompts,
+    the recipe's temperature), installed as its fixed schedule."""
+    r = pipe.cfg.rollout
+    prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"])
+    table = baselines.sweep(pipe.engine, prompts, r.tuner_buckets, r.strategy.depth, args.sweep_tokens, r.temperature,
+                            seed=pipe.cfg.rl.seed)
+    baselines.install_static(pipe.engine, table)
+    print(f"static schedule: depth per tier {dict(zip(table['buckets'], table['depths']))}", flush=True)
+    return table
 
 
 def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None) -> dict:
     """The three runs (arm names: `names` or the modes) from one warm-start drafter (the first arm builds
     the cache entry, the others hit it), interleaved: step records; held-out greedy evaluations with SD
     on at every decode step and off, on the same weights: token-identical (greedy SD is lossless)?"""
-    names = names or {m: m for m in MODES}
-    cfgs = {names[m]: harness.config(args, *extra, *MODES[m], *harness.run_overrides(out_dir, args.steps, f"bench-{m}"))
-            for m in MODES}
+    modes = [*MODES, *arm_list(args)]
+    names = names or {m: m for m in modes}
+    base = harness.config(args, *extra)
+    cfgs = {names[m]: harness.config(args, *extra, *mode_overrides(m, base),
+                                     *harness.run_overrides(out_dir, args.steps, f"bench-{m}")) for m in modes}
     with harness.pipelines(cfgs) as pipes:
         for p in pipes.values():
             p.warmstart()
@@ -42,8 +68,12 @@ def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None)
         if not same:  # re-synced from the first arm's
             for p in pipes.values():
                 p.drafter.load_state_dict(ref, strict=True)
+        table = calibrate_static(pipes[names["static"]], args) if "static" in names else None
+        calibration = {arm: getattr(p.engine, "calibration", None) for arm, p in pipes.items()}
         runs = {arm: {"steps": steps} for arm, steps in harness.run_steps(pipes, args.steps).items()}
         for arm, p in pipes.items():
+            if arm in (names.get(b) for b in baselines.BASELINES):
+                continue  # timed in the steps only
             if p.cfg.rollout.spec:
                 on, off = p.evaluate(args.steps, sd="always"), p.evaluate(args.steps, sd="off")
                 texts = [[x["response"] for x in e.records] for e in (on, off)]
@@ -56,7 +86,18 @@ def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None)
         train_rows, cfg = pipes[names["plain"]].dataset.train, pipes[names["plain"]].cfg
     del pipes  # free the models before the next arms
     gc.collect()
-    return {"runs": runs, "same_warmstart_drafter": same, "train_rows": train_rows, "cfg": cfg}
+    return {"runs": runs, "same_warmstart_drafter": same, "train_rows": train_rows, "cfg": cfg, "static_table": table,
+            "calibration": calibration}
+
+
+def arm_list(args) -> list[str]:
+    """The baseline arms asked for (--baselines): a subset of bench/baselines.BASELINES."""
+    asked = [] if args.baselines in ("", "none") else args.baselines.split(",")
+    unknown = set(asked) - set(baselines.BASELINES)
+    if unknown:
+        raise SystemExit(f"--baselines: unknown arm(s) {', '.join(sorted(unknown))}; "
+                         f"choose from {', '.join(baselines.BASELINES)} or none")
+    return asked
 
 
 # ---------------------------------------------------------------- TRL peer
@@ -117,7 +158,10 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
     a = runs["adaptive"]["steps"]
     share, speedup = roll["plain"] / step["plain"], roll["plain"] / roll["adaptive"]
     return {"steps": steps, "excluded_from_means": "step 0" if steps > 1 else "nothing (one step)",
-            **{f"{k}_{KEY[m]}": mean[k][m] for k in ("step_s", "rollout_s") for m in KEY},
+            **{f"{k}_{KEY[m]}": mean[k][m] for k in ("step_s", "rollout_s") for m in KEY if m in runs},
+            **baseline_keys(step, roll), "static_table": tlt.get("static_table"),
+            # the bandit's summed regret after the last step (s), and the engines' start-up calibration
+            "regret": {m: runs[m]["steps"][-1]["regret"] for m in runs}, "calibration": tlt.get("calibration"),
             "step_s_trl": trl["step_s"] if trl else None, "speedup_vs_plain": step["plain"] / step["adaptive"],
             "speedup_frozen_vs_plain": step["plain"] / step["frozen"],
             "speedup_vs_trl": trl["step_s"] / step["adaptive"] if trl else None,
@@ -133,15 +177,34 @@ def summarize(tlt: dict, trl: dict | None, steps: int) -> dict:
             "same_warmstart_drafter": tlt["same_warmstart_drafter"],
             "same_prompts": all([s["prompts"] for s in r["steps"]] == [s["prompts"] for s in a] for r in runs.values()),
             "greedy_eval_identical": bool(runs["adaptive"]["greedy_identical"] and runs["frozen"]["greedy_identical"]),
-            **parity(runs["plain"]["steps"], a), "curves": curves, "eval": {m: runs[m]["eval"] for m in runs},
+            **parity(runs["plain"]["steps"], a), "curves": curves,
+            "eval": {m: runs[m]["eval"] for m in runs if "eval" in runs[m]},
             "trl": trl}
+
+
+def baseline_keys(step: dict, roll: dict, adaptive: str = "adaptive", prefix: str = "") -> dict:
+    """speedup_vs_{always,static}: a baseline's mean step over tlt's (`adaptive`); rollout_speedup_vs_*
+    the same for the rollout; only for the baselines that ran."""
+    out = {}
+    for b in baselines.BASELINES:
+        if f"{prefix}{b}" in step:
+            out[f"speedup_{prefix}vs_{b}"] = step[f"{prefix}{b}"] / step[adaptive]
+            out[f"rollout_speedup_{prefix}vs_{b}"] = roll[f"{prefix}{b}"] / roll[adaptive]
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, ("--no-trl", False, "skip the TRL peer run"),
+                                        ("--baselines", "always,static", "baseline arms (bench/baselines.py), or none"),
+                                        ("--sweep-tokens", 16, "tokens per call of the static arm's calibration sweep"),
+                                        ("--paired", False, "paired mode: every arm on the same prompts and weights"),
                                         ("--no-vllm", False, "skip the vLLM arms (bench/rl_step_vllm.py)"),
                                         steps=3, out_dir=True), argv)
     vllm_arms = harness.load("rl_step_vllm")
+    if args.paired:
+        with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
+            res = harness.load("paired").run_paired(args, out_dir)
+            return harness.write_result({"mode": "paired", "steps": args.steps, **res}, "rl_step", args, argv)
     with harness.workdir(args.out_dir, "tlt-bench-rl-") as out_dir:
         tlt = run_modes(args, out_dir)
         vllm = None if args.no_vllm or not vllm_arms.available() else vllm_arms.run_vllm(args, out_dir / "vllm")

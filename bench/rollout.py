@@ -1,4 +1,5 @@
-"""Rollout benchmark: the engine without SD, with SD, and HF `generate`, same prompts and seed.
+"""Rollout benchmark: the engine without SD, with SD, and HF `generate`, same prompts and seed; in the GRPO
+section also the field's baselines (bench/baselines.py: SD always on, the best static draft length per tier).
 
     python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--prompts task] [--set k=v ...]
 """
@@ -26,6 +27,7 @@ QUESTIONS = ["Explain step by step how to compute 23 * 17.", "Write a short stor
     "Count from 1 to 20, separated by commas.", "Explain how a binary search works.",
     "What are the primary colors? Explain how they mix.", "Describe the rules of tic-tac-toe.",
     "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue."]
+baselines = harness.load("baselines")
 FLAGS = (("--drafter", None, "EAGLE-3 export directory (default: n-gram drafter)"), ("--batches", "1,4,16", None),
          ("--max-new-tokens", None, None, int), ("--reps", 2, None), ("--no-grpo", False, None),
          ("--row-prompts", 16, "prompts per row: batch b runs row_prompts / b batches"),
@@ -106,21 +108,37 @@ def run_bench(cfg, drafter_dir: str | None = None, batches=(1, 4, 16), max_new_t
     result = {"drafter": drafter_dir or "ngram", "prompts": prompts, "max_new_tokens": max_new, "tuner": tuner,
               "threads": torch.get_num_threads(), "rollout_dtype": r.dtype, "greedy_identical": identical,
               "rows": rows, "strategy": r.strategy.model_dump(), **accept_fields(cfg, model, tok, drafter, r, prompts)}
-    if grpo:  # prompts x group at temperature 1.0: plain engine vs tail-switched SD (tuner as configured)
-        g, group = cfg.rollout, prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
-        plain = RolloutEngine(model, g, eos_ids, pad_id)
-        tuned = StrategyTuner.from_config(g) if g.tuner else None
-        spec = RolloutEngine(model, g, eos_ids, pad_id, drafter=drafter, tuner=tuned)
-        kw = dict(group_size=g.group_size, temperature=1.0, seed=0)
-        best = harness.best_of({"plain": lambda: plain.generate(group, spec=False, **kw),
-                                "spec": lambda: spec.generate(group, spec=True, **kw)}, reps)
-        (plain_s, _), (spec_s, out) = best["plain"], best["spec"]
-        m = rollout_metrics(out)
-        result["grpo"] = {"plain_s": plain_s, "spec_s": spec_s, "speedup": plain_s / spec_s,
-                          "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
-                          "enabled_share": m["spec/enabled_share"],
-                          **{f"response_length_{k}": m[f"rollout/response_length/{k}"] for k in ("max", "mean")}}
+    if grpo:
+        result.update(grpo_arms(cfg, model, tok, drafter, prompts, reps, eos_ids, pad_id))
     return result
+
+
+def grpo_arms(cfg, model, tok, drafter, prompts: str, reps: int, eos_ids, pad_id) -> dict:
+    """prompts x group at temperature 1.0: plain, tail-switched SD (tuner as configured), SD always on with the
+    fixed strategy, and the static table of a sweep (bench/baselines.py); keys `grpo` and rollout_s_*/speedup_vs_*."""
+    g, group = cfg.rollout, prompts_for(cfg, tok, prompts, cfg.rollout.prompts_per_step, cfg.data.instruction)
+    plain = RolloutEngine(model, g, eos_ids, pad_id)
+    tuned = StrategyTuner.from_config(g) if g.tuner else None
+    spec = RolloutEngine(model, g, eos_ids, pad_id, drafter=drafter, tuner=tuned)
+    always = RolloutEngine(model, g.model_copy(update=baselines.config_update("always", cfg)), eos_ids, pad_id,
+                           drafter=drafter)
+    table = baselines.sweep(always, group, g.tuner_buckets, g.strategy.depth, temperature=1.0)
+    static = RolloutEngine(model, g.model_copy(update=baselines.config_update("static", cfg)), eos_ids, pad_id,
+                           drafter=drafter, tuner=baselines.static_tuner(table))
+    kw = dict(group_size=g.group_size, temperature=1.0, seed=0)
+    best = harness.best_of({"plain": lambda: plain.generate(group, spec=False, **kw),
+                            "spec": lambda: spec.generate(group, spec=True, **kw),
+                            "always": lambda: always.generate(group, spec=True, **kw),
+                            "static": lambda: static.generate(group, spec=True, **kw)}, reps)
+    secs = {arm: t for arm, (t, _) in best.items()}
+    m = rollout_metrics(best["spec"][1])
+    return {"grpo": {"plain_s": secs["plain"], "spec_s": secs["spec"], "speedup": secs["plain"] / secs["spec"],
+                     "accept_len_mean": m.get("spec/accept_len/mean", 1.0), "tail_share": m["rollout/tail_share"],
+                     "enabled_share": m["spec/enabled_share"],
+                     **{f"response_length_{k}": m[f"rollout/response_length/{k}"] for k in ("max", "mean")}},
+            "rollout_s_plain": secs["plain"], "rollout_s_spec": secs["spec"], "rollout_s_always": secs["always"],
+            "rollout_s_static": secs["static"], "speedup_vs_always": secs["always"] / secs["spec"],
+            "speedup_vs_static": secs["static"] / secs["spec"], "static_table": table}
 
 
 def main(argv: list[str] | None = None) -> dict:

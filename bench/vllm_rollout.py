@@ -1,5 +1,13 @@
 """The vLLM rollout backend against the torch engine: rollout arms, the tail switch, weight syncs.
 
+Arms on both engines, same prompts and seed: plain, tail (tlt's tail switch + bandit), always (the
+recipe's fixed strategy at every step) and static (the best draft length per tier of a sweep; both
+from bench/baselines.py); rollout_s_{engine}_{arm}, speedup_{engine}_vs_{always,static} (the
+baseline's rollout over tail's), static_table_{engine}. The K = 0 tax: the SD-built engine with
+every tier at K = 0 (`vllm_plain`: SD off, one drafter forward per step still) against an engine
+built without SD on the same prompts (`rollout_s_vllm_plain_engine`, `k0_tax` = the first over the
+second; `--no-k0-tax` skips the second engine).
+
     python bench/vllm_rollout.py conf/default.yaml --json out.json [--reps 2] [--fit-epochs 40] [--set k=v ...]
 """
 from pathlib import Path
@@ -15,6 +23,8 @@ from tlt.models import eos_token_ids, load_target
 from tlt.rollout import RolloutEngine, StrategyTuner
 from tlt.rollout.vllm_backend import VllmRolloutEngine
 from tlt.versions import bump
+
+baselines = harness.load("baselines")
 
 
 def fitted_drafter(model, cfg, plain, train_prompts: list[list[int]], epochs: int):
@@ -65,9 +75,42 @@ def syncs(vllm, model, drafter) -> dict:
             "tied_embeddings": bool(model.config.tie_word_embeddings)}
 
 
+def arms(vllm, torch_plain, torch_tail, torch_static, kw: dict, strategy, static: tuple) -> dict:
+    """name -> callable of every timed arm (harness.best_of); vLLM's static arm: `static` = (its table, the
+    threshold of SD at every batch), swapped in for its call only."""
+    batch = len(kw["prompts"]) * kw["group_size"]
+
+    def always(engine):
+        with engine.fixed_strategy(strategy, batch_size=batch):
+            return engine.generate(**kw)
+
+    def vllm_static():
+        with baselines.static_schedule(vllm, *static):
+            return vllm.generate(**kw)
+
+    return {"vllm_plain": lambda: vllm.generate(**kw, spec=False), "vllm_tail": lambda: vllm.generate(**kw),
+            "vllm_always": lambda: always(vllm), "vllm_static": vllm_static,
+            "torch_plain": lambda: torch_plain.generate(**kw, spec=False), "torch_tail": lambda: torch_tail.generate(**kw),
+            "torch_always": lambda: always(torch_tail), "torch_static": lambda: torch_static.generate(**kw)}
+
+
+def k0_tax(vllm, model, tok, cfg, eos, kw: dict, reps: int) -> dict:
+    """The SD-built engine at K = 0 everywhere vs a second engine built without SD, interleaved."""
+    plain_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"spec": False})})
+    plain = VllmRolloutEngine.for_run(model, tok, plain_cfg, eos, None, Path("runs") / "bench-vllm-plain")
+    try:
+        best = harness.best_of({"k0": lambda: vllm.generate(**kw, spec=False),
+                                "plain_engine": lambda: plain.generate(**kw, spec=False)}, reps)
+    finally:
+        plain.close()
+    k0, eng = best["k0"][0], best["plain_engine"][0]
+    return {"rollout_s_vllm_k0": round(k0, 3), "rollout_s_vllm_plain_engine": round(eng, 3), "k0_tax": k0 / eng}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, ("--reps", 2, "best of N"), ("--fit-epochs", 0, "drafter fit epochs"),
-                                        ("--fit-prompts", 64, "training prompts the drafter is fit to")), argv)
+                                        ("--fit-prompts", 64, "training prompts the drafter is fit to"),
+                                        ("--no-k0-tax", False, "skip the plain-built engine (the K = 0 tax)")), argv)
     cfg = harness.config(args, "model.dtype=float32", "rollout.drafter=eagle", "rollout.spec=true")
     r, n = cfg.rollout, cfg.rollout.prompts_per_step
     model, tok = load_target(cfg.model)
@@ -88,14 +131,20 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         vllm.generate(prompts, temperature=0.0, spec_threshold=len(prompts))  # first calls warm vLLM's kernels up
         res.update(greedy_checks(vllm, torch_plain, prompts, r.spec_threshold))
-        best = harness.best_of({"vllm_plain": lambda: vllm.generate(**kw, spec=False),
-                                "vllm_tail": lambda: vllm.generate(**kw),
-                                "vllm_always": lambda: vllm.generate(**kw, spec_threshold=len(prompts) * r.group_size),
-                                "torch_plain": lambda: torch_plain.generate(**kw, spec=False),
-                                "torch_tail": lambda: torch_tail.generate(**kw)}, args.reps)
+        tables = {name: baselines.sweep(eng, prompts, r.tuner_buckets, r.strategy.depth, temperature=r.temperature)
+                  for name, eng in (("vllm", vllm), ("torch", torch_plain))}
+        torch_static = RolloutEngine(model, r.model_copy(update=baselines.config_update("static", cfg)), eos,
+                                     tok.pad_token_id, drafter=drafter, tuner=baselines.static_tuner(tables["torch"]))
+        static = (tables["vllm"], baselines.every_batch(cfg))
+        best = harness.best_of(arms(vllm, torch_plain, torch_tail, torch_static, kw, r.strategy, static), args.reps)
         for name, (s, out) in best.items():
             res.update({f"rollout_s_{name}": round(s, 3), f"tokens_{name}": sum(map(len, out.response_ids)),
                         f"accept_len_{name}": round(out.stats.accept_len or 1.0, 3)})
+        for eng, b in ((e, b) for e in ("vllm", "torch") for b in baselines.BASELINES):
+            res[f"speedup_{eng}_vs_{b}"] = best[f"{eng}_{b}"][0] / best[f"{eng}_tail"][0]
+        res.update({f"static_table_{e}": t for e, t in tables.items()})
+        if not args.no_k0_tax:
+            res.update(k0_tax(vllm, model, tok, cfg, eos, kw, args.reps))
         res.update(syncs(vllm, model, drafter), rebuilds=vllm.rebuilds)
     finally:
         vllm.close()

@@ -66,8 +66,15 @@ def test_benchmark_smoke_two_steps(tmp_path):
     for key in ("step_s_plain", "step_s_spec", "step_s_frozen", "step_s_trl", "speedup_vs_plain", "speedup_vs_trl",
                 "accept_len_adaptive", "accept_len_frozen", "drafter_overhead_share", "reward_curves_match",
                 "parity_test", "curves", "rollout_s_plain", "rollout_s_spec", "rollout_speedup",
-                "rollout_share_plain", "amdahl_bound", "tokens_per_target_forward"):
+                "rollout_share_plain", "amdahl_bound", "tokens_per_target_forward", "step_s_always", "step_s_static",
+                "rollout_s_always", "rollout_s_static", "speedup_vs_always", "speedup_vs_static", "static_table"):
         assert key in saved, key
+    assert res["speedup_vs_always"] == pytest.approx(res["step_s_always"] / res["step_s_spec"])
+    assert res["speedup_vs_static"] == pytest.approx(res["step_s_static"] / res["step_s_spec"])
+    assert len(res["static_table"]["depths"]) == len(res["static_table"]["buckets"])
+    assert res["curves"]["always"]["spec_enabled_share"][-1] > 0  # the always arm speculates
+    assert res["regret"]["always"] is None and res["regret"]["adaptive"] is not None  # the bandit's, tuner on only
+    assert res["calibration"]["adaptive"]["can_pay"] and res["calibration"]["always"] is None
     # Amdahl: the step speedup bound from the rollout's share and speedup; 1 when SD does not change the rollout
     share, r = res["rollout_share_plain"], res["rollout_speedup"]
     assert 0.0 < share <= 1.0 and res["amdahl_bound"] == pytest.approx(1 / (1 - share + share / r))
@@ -80,7 +87,7 @@ def test_benchmark_smoke_two_steps(tmp_path):
     for mode in ("adaptive", "frozen"):  # tokens per verify pass wherever SD ran: 1 .. depth + 1
         assert all(1.0 <= a <= 5.0 for a in res["curves"][mode]["accept_len"] if a is not None), mode
         assert 1.0 <= res["eval"][mode]["accept_len"] <= 5.0, mode
-    for mode in ("plain", "adaptive", "frozen"):
+    for mode in ("plain", "adaptive", "frozen", "always", "static"):
         assert len(res["curves"][mode]["reward_mean"]) == 2
     assert res["curves"]["plain"]["accept_len"] == [None, None]  # no SD in the plain run
 
@@ -96,6 +103,15 @@ def test_vllm_keys_merge_over_the_best_arms():
     assert res["rollout_speedup_vllm"] == pytest.approx(2.0 / 1.6)
     assert res["speedup_vllm_vs_torch_plain"] == 2.0 and res["speedup_vllm_vs_torch"] == pytest.approx(5.0 / 3.0)
     assert res["speedup_vs_trl"] == 4.0 and res["vllm_greedy_eval_identical"]  # over the best tlt step of any arm
+    assert "step_s_vllm_always" not in res and "speedup_vllm_vs_always" not in res  # no baselines ran
+    runs["vllm_always"] = {"steps": [{"step_s": 9.0, "rollout_s": 5.0}, {"step_s": 3.6, "rollout_s": 2.4}],
+                           "rebuilds": 0.0, "guard_tripped": 0.0}
+    runs["static_table"] = {"buckets": [1, 2], "depths": [2, 0]}
+    res = arms.merge({"step_s_plain": 6.0, "step_s_spec": 5.0, "step_s_frozen": 5.5, "trl": None}, runs)
+    assert res["step_s_vllm_always"] == 3.6 and res["rollout_s_vllm_always"] == 2.4
+    assert res["speedup_vllm_vs_always"] == pytest.approx(3.6 / 3.0)
+    assert res["rollout_speedup_vllm_vs_always"] == pytest.approx(2.4 / 1.6)
+    assert res["static_table_vllm"]["depths"] == [2, 0] and "speedup_vllm_vs_static" not in res
     alone = arms.merge({"step_s_plain": 6.0, "step_s_spec": 5.0, "step_s_frozen": 5.5, "trl": {"step_s": 12.0}}, None)
     assert alone["speedup_vs_trl"] == pytest.approx(12.0 / 5.0) and "step_s_vllm_spec" not in alone
 

@@ -143,3 +143,9 @@ def test_warns_when_a_run_has_unsent_calls(store, tmp_path, monkeypatch):
     warnings = [ln for ln in text.splitlines() if ln.startswith("warning:")]
     assert len(warnings) == 1 and store["off"] in warnings[0] and "tlt tracking sync" in warnings[0]
     assert str(tmp_path / "spool" / f"{store['off']}.jsonl") in warnings[0]
+
+
+def test_bandit_regret_is_the_last_cumulative_value():
+    row = compare.summarize({"spec/regret": [(0, 0.5), (1, 1.25)], "timing_s/step": [(0, 2.0), (1, 2.0)]})
+    assert row["regret_s"] == 1.25
+    assert math.isnan(compare.summarize({})["regret_s"])

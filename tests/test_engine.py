@@ -173,6 +173,8 @@ def test_plain_arm_of_the_tuner_is_lossless_and_tried(model):
     played = sum(len(b[0]) for b in tuner.rewards)  # arm 0 = PLAIN in every bucket
     assert played == out.stats.tuner_plain_steps
     assert PLAIN.plain and not CHAIN.plain
+    # both arms were timed in some bucket: its regret is the tuner's, and it reaches the stats
+    assert out.stats.regret == tuner.regret_stats() and sum(tuner.regret()) > 0
 
 
 @pytest.mark.parametrize("patience", [0, 3, 1000])

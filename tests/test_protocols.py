@@ -120,7 +120,7 @@ def test_capabilities_say_what_each_engine_can_run():
     caps = engine.capabilities
     assert caps.tree_strategies and caps.tuner and caps.fixed_strategy and caps.sampled_sd and caps.spec
     check_spec(caps, TREE)  # the torch engine runs trees
-    vllm = _bare(VllmRolloutEngine, method="eagle3", k=3, sampled_sd=False, tuner=None, cfg=cfg)
+    vllm = _bare(VllmRolloutEngine, method="eagle3", k=3, sampled_sd=False, tuner=None, cfg=cfg, sd_built=True)
     caps = vllm.capabilities
     assert not caps.tree_strategies and caps.max_depth == 3 and caps.sources == {"drafter"}
     assert not caps.sampled_sd and not caps.tuner and not caps.prompt_history and caps.spec
@@ -137,7 +137,7 @@ def test_a_call_vllm_cannot_honour_raises_with_the_reason(strategy, why):
     source raise (EngineCapabilityError, a ValueError); a chain it can run is scheduled; a sampled
     call on a build without lossless sampled SD decodes without SD, with a warning."""
     cfg = RolloutConfig(spec_threshold=4, spec_patience=1, strategy=CHAIN3)
-    vllm = _bare(VllmRolloutEngine, method="eagle3", k=3, sampled_sd=False, tuner=None, cfg=cfg)
+    vllm = _bare(VllmRolloutEngine, method="eagle3", k=3, sampled_sd=False, tuner=None, cfg=cfg, sd_built=True)
     assert vllm._sd_options(True, 4, 0.0) == {"sd_threshold": 4, "sd_k": 3, "patience": 1}
     assert vllm._sd_options(False, 4, 0.0)["sd_k"] == 0
     with pytest.warns(UserWarning, match="decodes without SD"):

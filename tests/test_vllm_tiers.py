@@ -136,3 +136,37 @@ def test_guard_trips_on_a_useless_drafter_and_rearms(setup):
     finally:
         engine.tuner, engine.eos_ids, engine.cfg, engine.trace = tuner, EOS, cfg, False
     assert len(outs[0].response_ids[0]) <= MAX_NEW
+
+
+def test_every_tier_off_rebuilds_a_plain_engine_until_a_new_drafter(setup):
+    """The K = 0 tax: an SD-built engine runs one drafter forward per step even where no tier drafts. When
+    the guard has switched every tier off, the engine is rebuilt without SD (counted in
+    rollout/vllm_rebuilds): SD calls then decode plain, same tokens; a new drafter rebuilds SD back in."""
+    from tlt.rollout.guard import SpecGuard
+
+    target, drafter, engine, _ = setup
+    prompts, stops = _tail_prompts(engine, target)
+    head = drafter.lm_head.weight.detach().clone()
+    tuner, cfg, guard, rebuilds = engine.tuner, engine.cfg, engine.guard, engine.rebuilds
+    engine.guard = SpecGuard([1], patience=1)  # one tier: tripping it switches every batch size off
+    engine.tuner, engine.eos_ids = None, stops
+    engine.cfg = cfg.model_copy(update={"guard_patience": 1})
+    try:
+        with torch.no_grad():
+            drafter.lm_head.weight.zero_()
+        bump(drafter)
+        outs = []
+        while engine.sd_built and len(outs) < 6:
+            outs.append(engine.generate(prompts, temperature=0.0))
+        assert not engine.sd_built and engine.rebuilds == rebuilds + 1 and engine.guard.tripped == 1
+        plain = engine.generate(prompts, temperature=0.0)  # SD asked for, none possible: a plain engine
+        assert plain.stats.vllm["drafts"] == 0 and plain.response_ids == outs[0].response_ids
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(head)
+        bump(drafter)
+        metrics = engine.sync()
+        assert engine.sd_built and metrics["rollout/vllm_rebuilds"] == rebuilds + 2 and engine.guard.tripped == 0
+        again = engine.generate(prompts, temperature=0.0)
+        assert again.stats.vllm["drafts"] > 0 and again.response_ids == outs[0].response_ids
+    finally:
+        engine.tuner, engine.eos_ids, engine.cfg, engine.guard = tuner, EOS, cfg, guard

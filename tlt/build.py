@@ -26,6 +26,7 @@ from tlt.rl.rewards import get_reward_fn
 from tlt.rl.sampler import PromptSampler
 from tlt.rl.step import StepContext
 from tlt.rl.update import make_updater
+from tlt.rollout.breakeven import calibrated
 from tlt.rollout.engine import RolloutEngine
 from tlt.rollout.tuner import StrategyTuner
 from tlt.rollout.vllm_backend import VllmRolloutEngine
@@ -72,10 +73,11 @@ def build_engine(model, tokenizer, cfg: RunConfig, eos_ids: list[int], run_dir: 
     the engine every stage generates with (rollout, warm-start, eval): vLLM or this process' torch."""
     r = cfg.rollout
     drafter = build_drafter(model, cfg.drafter) if r.drafter == "eagle" else None
-    if r.backend == "vllm":
+    if r.backend == "vllm":  # both engines calibrate their bandit before it explores (tlt.rollout.breakeven)
         return drafter, VllmRolloutEngine.for_run(model, tokenizer, cfg, eos_ids, drafter, run_dir)
     tuner = StrategyTuner.from_config(r, seed=cfg.rl.seed) if r.tuner else None
-    return drafter, RolloutEngine(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tuner=tuner)
+    engine = RolloutEngine(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tuner=tuner)
+    return drafter, calibrated(engine, tuner, r, model.config.vocab_size)
 
 
 def build_rollout(cfg: RunConfig, model, drafter, engine: Engine, eos_ids: list[int], tokenizer, run_dir: Path,

@@ -37,7 +37,7 @@ PANELS = {
 }
 KEYS = ("reward/mean", "eval/accuracy", "eval/accept_len", "eval/accept_len_sampled", "spec/accept_len/mean",
         "rollout/tokens_per_s", "perf/tokens_per_s", "timing_s/step", "timing_s/update_drafter",
-        "drafter/refresh_decision", "drafter/spot_steps", "drafter/steps")
+        "drafter/refresh_decision", "drafter/spot_steps", "drafter/steps", "spec/regret")
 # column -> (header, format); NaN prints as "-"
 COLUMNS = {
     "run": ("run", "{}"), "name": ("name", "{}"), "status": ("status", "{}"),
@@ -48,6 +48,7 @@ COLUMNS = {
     "rollout_tokens_per_s": ("rollout tok/s", "{:.1f}"), "step_tokens_per_s": ("step tok/s", "{:.1f}"),
     "step_time_s": ("step time s", "{:.2f}"), "refreshes": ("drafter refreshes", "{:d}"),
     "drafter_share": ("drafter share", "{:.1%}"), "steps": ("steps", "{:d}"),
+    "regret_s": ("bandit regret s", "{:.2f}"),
 }
 
 
@@ -86,7 +87,7 @@ def summarize(hist: dict[str, list[tuple[int, float]]]) -> dict[str, float | int
     mean over the RL steps for the live accept length, throughput and step time; drafter share =
     sum(update_drafter) / sum(step), NaN when either was never logged. Nothing is computed from a
     metric the run did not log (there is no SD speedup column: a run logs no plain-decoding
-    baseline; `tlt bench` measures that ratio).
+    baseline; `tlt bench` measures that ratio); bandit regret = the last spec/regret (it is cumulative).
     """
     step_total = sum(_values(hist.get("timing_s/step", [])))
     drafter = hist.get("timing_s/update_drafter", [])
@@ -103,6 +104,7 @@ def summarize(hist: dict[str, list[tuple[int, float]]]) -> dict[str, float | int
         "refreshes": refreshes(hist),
         "drafter_share": sum(_values(drafter)) / step_total if drafter and step_total > 0 else math.nan,
         "steps": len(counted),
+        "regret_s": _last(hist.get("spec/regret", [])),  # cumulative: the last value is the run's
     }
 
 

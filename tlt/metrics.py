@@ -34,6 +34,9 @@ def spec_metrics(drafted: list[int], accepted: list[int], stats: RolloutStats) -
     out = {"spec/enabled_share": stats.enabled_share}
     if stats.guard_tripped is not None:  # batch-size tiers decoding without SD (tlt.rollout.guard)
         out["spec/guard_tripped"] = float(stats.guard_tripped)
+    if stats.regret is not None:  # the bandit's cumulative regret, seconds (tlt.rollout.tuner)
+        out.update({f"spec/regret/{bucket}": float(r) for bucket, r in stats.regret.items()})
+        out["spec/regret"] = float(sum(stats.regret.values()))
     if stats.accept_len is None:
         return out
     out["spec/accept_len/mean"] = stats.accept_len
@@ -59,7 +62,8 @@ def rollout_metrics(batch) -> dict[str, float]:
     tokens (for trees, drafted counts every verified node); spec/accept_rate/pos_i: share of
     rounds drafting depth i+1 whose draft was accepted down to it; spec/enabled_share: share of
     tokens emitted by SD rounds; spec/ngram_share: share of the SD tokens from n-gram rounds,
-    spec/ngram_accept_len their tokens per pass; rollout/tail_share: share of time with <= spec_threshold rows.
+    spec/ngram_accept_len their tokens per pass; spec/regret/{bucket} (and the sum, spec/regret): the
+    seconds the bandit's choices cost so far against the best arm in hindsight; rollout/tail_share: share of time with <= spec_threshold rows.
     """
     stats: RolloutStats = batch.stats
     lengths = [len(r) for r in batch.response_ids]

@@ -203,6 +203,10 @@ class RolloutConfig(Stage):
     tuner_buckets: list[int] = Field(default_factory=lambda: [1, 2, 5, 21], description="Lower bounds of batch-size buckets")
     tuner_plain_arm: bool = Field(True, description="The bandit may also choose plain decoding in a bucket (SD off "
                                   "where drafting does not pay for itself)")
+    tuner_calibrate: bool = Field(True, description="At engine start, time a decode step and an SD round per "
+                                  "tuner bucket and draft depth (a few short calls) and start the bandit from the "
+                                  "rewards they predict: buckets where no depth can pay start on plain decoding "
+                                  "(docs/concepts.md: Calibrate before exploring)")
     tuner_ngram_arms: bool = Field(True, description="The bandit may also choose model-free n-gram drafts (arms with "
                                    "source ngram) in a bucket, next to the trained drafter's")
     guard_patience: int = Field(3, ge=0, description="Spec guard: a batch-size tier (tuner_buckets) whose rollouts "

@@ -63,7 +63,7 @@ def torch_capabilities(cfg: RolloutConfig, tuner: bool, name: str = "the torch e
 def vllm_capabilities(method: str | None, k: int, sampled_sd: bool, tuner: bool) -> Capabilities:
     """A vLLM engine's (tlt.rollout.vllm_backend) built with speculation `method` ("eagle3", "ngram" or
     None: none) and draft length `k`: chains of depth <= k from that one source, no trees, no drafts
-    from earlier answers; sampled SD only where the build is lossless (`sampled_sd`, not the CPU build)."""
+    from earlier answers; sampled SD where the worker's rejection-sampler probe passed (`sampled_sd`)."""
     sources = {"eagle3": frozenset({"drafter"}), "ngram": frozenset({"ngram"})}.get(method, frozenset())
     return Capabilities(name="vLLM", spec=method is not None, tuner=tuner, tree_strategies=False, sources=sources,
                         max_depth=k, sampled_sd=sampled_sd, checkpoint="the bandit's state" if tuner else "")

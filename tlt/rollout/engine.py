@@ -279,8 +279,9 @@ class RolloutEngine(TunerState):
         else:
             outs.steps.spec(self.guard.tier_of(bsz), dt, bsz, produced)
         if self.tuner is not None:
-            self.tuner.update(bsz, strategy, produced / max(dt, 1e-9))
+            self.tuner.update(bsz, strategy, produced / max(dt, 1e-9), seconds=dt)
             outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
+            outs.stats.regret = self.tuner.regret_stats()  # cumulative: the value after this call's last round
 
     def _retire(self, st: DecodeState, outs) -> None:
         """Drop finished rows from the batch (cache rows too) and compact the cache when sparse."""

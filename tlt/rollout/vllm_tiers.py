@@ -77,6 +77,8 @@ class TierPlan:
                 stats.record_strategy(tier, self.tuner.arm_index(self.buckets[tier], self.arms[tier]))
         for tier, arm in enumerate(self.arms):
             if played[tier] and seconds[tier] > 0:
-                self.tuner.update(self.buckets[tier], arm, tokens[tier] / seconds[tier])
+                self.tuner.update(self.buckets[tier], arm, tokens[tier] / seconds[tier], seconds=seconds[tier])
+        if self.tuner is not None:
+            stats.regret = self.tuner.regret_stats()
         if self.guard is not None:
             stats.guard_tripped = self.guard.observe(log)

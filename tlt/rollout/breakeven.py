@@ -1,0 +1,149 @@
+"""Calibrate before exploring (`rollout.tuner_calibrate`): the cost curve of this machine, the break-even
+accept length per batch-size tier, and the bandit seeded from them.
+
+At engine start, a few short greedy calls per tier (`rollout.tuner_buckets`, at the tier's lowest batch
+size, on random prompts) time one decode step (depth 0) and one SD round at the shallowest and the
+deepest chain the tier's arms draft (the engine's `fixed_strategy`: draft + verify, every step a
+round); the depths between are interpolated. A round of depth
+d emits at most d + 1 tokens per row where a plain step emits 1, so the tier's break-even accept length
+for depth d is round_s[d] / round_s[0]; SD can pay at d only if that is below d + 1 (every draft
+accepted). The bandit (StrategyTuner) then starts with one predicted reward per arm instead of
+playing every untried arm first: plain decoding b / round_s[0], a chain b * E[accept] / round_s[d],
+E[accept] = 1 + a + ... + a^d at the prior per-token acceptance a = PRIOR_ACCEPT_RATE. So a tier where
+no depth can pay starts on the plain arm and tries SD only when it explores (rate epsilon); the other
+tiers start at the depth the curve favours. Real rewards join each arm's window and take over.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from tlt.config import SpecStrategy
+from tlt.rollout.tuner import StrategyTuner
+
+# Per-token acceptance assumed before any round is verified (a warm-started drafter on its own policy's
+# text accepts ~0.5-0.8 per position on the recipes; its rewards replace this as rounds are played).
+PRIOR_ACCEPT_RATE = 0.6
+
+
+def expected_accept(depth: int, rate: float) -> float:
+    """Mean tokens per row of a chain round of `depth` drafts when each is accepted with `rate` (given
+    the ones before it were): 1 + rate + ... + rate^depth."""
+    return sum(rate ** i for i in range(depth + 1))
+
+
+@dataclass
+class CostCurve:
+    """round_s[tier][d]: seconds of one decode step (d = 0) or one SD round of a depth-d drafter chain at
+    the tier's lowest batch size, None where not measured; ngram_s[tier][d] the same for n-gram chains
+    (no drafter forwards), where the tier has n-gram arms. Trees are priced as chains of their depth."""
+
+    buckets: list[int]
+    round_s: list[list[float | None]]
+    seconds: float = 0.0  # what measuring took
+    ngram_s: list[list[float | None]] | None = None
+
+    def _at(self, tier: int, depth: int, source: str = "drafter") -> tuple[int, float]:
+        """The measured depth closest to `depth` from below (deeper arms than measured: the deepest) and its time."""
+        if source == "ngram" and self.ngram_s:  # n-gram chains where measured, else priced as drafter chains
+            found = [i for i, s in enumerate(self.ngram_s[tier][:depth + 1]) if i and s is not None]
+            if found:
+                return found[-1], self.ngram_s[tier][found[-1]]
+        row = self.round_s[tier]
+        d = max(i for i, s in enumerate(row[:depth + 1]) if s is not None)
+        return d, row[d]
+
+    def break_even(self, tier: int, depth: int, source: str = "drafter") -> float:
+        """Accept length (tokens per row and round) at which a depth-`depth` round pays as much as plain steps."""
+        return self._at(tier, depth, source)[1] / self.round_s[tier][0]
+
+    def can_pay(self, tier: int) -> bool:
+        """Some measured depth breaks even below its reachable accept length (depth + 1)."""
+        rows = [self.round_s[tier]] + ([self.ngram_s[tier]] if self.ngram_s else [])
+        return any(s is not None and s / self.round_s[tier][0] < d + 1 for row in rows for d, s in enumerate(row) if d)
+
+    def predicted_reward(self, tier: int, arm: SpecStrategy, rate: float = PRIOR_ACCEPT_RATE) -> float:
+        """Tokens per second the bandit would measure for `arm` in `tier` (its reward's unit)."""
+        b = self.buckets[tier]
+        if arm.plain:
+            return b / self.round_s[tier][0]
+        d, s = self._at(tier, arm.depth, arm.source)
+        return b * expected_accept(d, rate) / s
+
+    def summary(self) -> dict:
+        """JSON-able: the curves, break-even per tier and measured depth, which tiers can pay, seconds."""
+        def ratios(rows):
+            return [[None if s is None or not d else s / base[0] for d, s in enumerate(row)]
+                    for row, base in zip(rows, self.round_s)]
+        return {"buckets": self.buckets, "round_s": self.round_s, "ngram_s": self.ngram_s, "seconds": self.seconds,
+                "break_even": ratios(self.round_s), "break_even_ngram": ratios(self.ngram_s) if self.ngram_s else None,
+                "can_pay": [self.can_pay(t) for t in range(len(self.buckets))]}
+
+
+def _chain(depth: int, source: str = "drafter") -> SpecStrategy:
+    return SpecStrategy(depth=depth, topk=1, tokens=depth, source=source)
+
+
+def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, source: str = "drafter") -> float:
+    """Seconds per decode step (depth 0) or SD round of one greedy call, prefill excluded where the
+    engine times it (the torch engine); vLLM counts its prefill as one of the call's steps."""
+    kw = dict(max_new_tokens=new_tokens, temperature=0.0, seed=0)
+    if depth == 0:
+        out = engine.generate(prompts, spec=False, **kw)
+    else:
+        sources = engine.capabilities.sources  # an arm's source the engine drafts from, else its own (vLLM n-gram)
+        with engine.fixed_strategy(_chain(depth, source if source in sources else min(sources)), len(prompts)):
+            out = engine.generate(prompts, spec=True, **kw)
+    s = out.stats
+    if s.vllm is not None:
+        return s.time_s / max(1, s.decode_steps)
+    return (s.time_s - s.prefill_s) / max(1, s.decode_steps + s.spec_steps)
+
+
+def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 8, new_tokens: int = 4,
+            seed: int = 0) -> CostCurve:
+    """The curve at the tuner's tiers: the plain step, and per draft source the shallowest and deepest
+    chain among the tier's arms; the depths between are interpolated (a round's cost is linear in its
+    depth: d drafter forwards and d + 1 verified tokens per row). Each tier's batch is warmed up first
+    (a batch size's first call pays one-off allocations, which would inflate the plain step)."""
+    t0, rng = time.perf_counter(), random.Random(seed)
+    prompts = [[rng.randrange(3, max(4, min(vocab_size, 4096))) for _ in range(prompt_len)]
+               for _ in range(max(tuner.buckets))]
+    rows, ngram = [], []
+    for tier, low in enumerate(tuner.buckets):
+        _step_s(engine, prompts[:low], 0, 2)  # warm-up at this batch size
+        plain = _step_s(engine, prompts[:low], 0, new_tokens)
+        for source, out in (("drafter", rows), ("ngram", ngram)):
+            depths = sorted({a.depth for a in tuner.arms[tier] if not a.plain and a.source == source})
+            row: list[float | None] = [None] * (max(depths, default=0) + 1)
+            row[0] = plain if source == "drafter" else None
+            if depths:
+                lo, hi = depths[0], depths[-1]
+                ends = {d: _step_s(engine, prompts[:low], d, new_tokens, source) for d in {lo, hi}}
+                for d in depths:
+                    row[d] = ends[lo] + (ends[hi] - ends[lo]) * (d - lo) / (hi - lo) if hi > lo else ends[lo]
+            out.append(row)
+    has_ngram = any(s is not None for row in ngram for s in row)
+    return CostCurve(list(tuner.buckets), rows, time.perf_counter() - t0, ngram if has_ngram else None)
+
+
+def seed(tuner: StrategyTuner, curve: CostCurve, rate: float = PRIOR_ACCEPT_RATE) -> None:
+    """One predicted reward per arm and tier (see the module doc), so no arm counts as untried."""
+    for tier, arms in enumerate(tuner.arms):
+        for i, arm in enumerate(arms):
+            tuner.rewards[tier][i].append(curve.predicted_reward(tier, arm, rate))
+
+
+def calibrate(engine, tuner: StrategyTuner, vocab_size: int) -> dict:
+    """`measure` on `engine`, then `seed` its bandit; the curve's summary (kept by the engine, for reports)."""
+    curve = measure(engine, tuner, vocab_size)
+    seed(tuner, curve)
+    return curve.summary()
+
+
+def calibrated(engine, tuner: StrategyTuner | None, r, vocab_size: int):
+    """`engine`, its bandit `tuner` calibrated first when `rollout.tuner_calibrate` (with SD on and a bandit);
+    `engine.calibration`: the curve's summary (None when not calibrated)."""
+    engine.calibration = calibrate(engine, tuner, vocab_size) if r.spec and r.tuner_calibrate and tuner else None
+    return engine
