@@ -245,7 +245,7 @@ def test_optimizer_state_only_in_the_newest_checkpoint(tmp_path, caplog):
 
     from tlt.config import RolloutConfig
     from tlt.models import tiny_model
-    from tlt.rl.resume import restore_run_state, save_run_state
+    from tlt.rl.resume import restore_run_state, save_run_state, steps_done
     from tlt.rollout.engine import RolloutEngine
 
     model = tiny_model("llama", layers=2, hidden=64, vocab=128)
@@ -255,10 +255,10 @@ def test_optimizer_state_only_in_the_newest_checkpoint(tmp_path, caplog):
     for step in range(2):
         ctx.sampler.s = {"cursor": step}
         save_run_state(ctx, step, tmp_path, keep=3, optimizer_keep=1)
-    assert sorted(p.parent.name for p in tmp_path.glob("*/policy_optim.pt")) == ["step-000001"]
-    shutil.rmtree(tmp_path / "step-000001")  # as if the newest were lost: the older one is all there is
+    assert sorted(p.parent.name for p in tmp_path.glob("*/policy_optim.pt")) == ["step-000002"]  # after RL step 2
+    shutil.rmtree(tmp_path / "step-000002")  # as if the newest were lost: the older one is all there is
     ctx.updater.s, ctx.sampler.s = {"moments": "fresh"}, {"cursor": 9}
     with caplog.at_level(logging.WARNING, logger="tlt.rl.resume"):
         state = restore_run_state(ctx, tmp_path)
-    assert state["step"] == 0 and ctx.sampler.s == {"cursor": 0} and ctx.updater.s == {"moments": "fresh"}
+    assert steps_done(state) == 1 and ctx.sampler.s == {"cursor": 0} and ctx.updater.s == {"moments": "fresh"}
     assert "holds no optimizer state" in caplog.text

@@ -14,6 +14,7 @@ from tlt.drafter.model import build_drafter
 from tlt.errors import UserError
 from tlt.export import ExportError
 from tlt.models import eos_token_ids, load_target
+from tlt.rl.resume import steps_done
 from tlt.stages.export import base_figures, write_and_measure
 
 
@@ -84,7 +85,7 @@ def export_checkpoint(ckpt: Path, out: Path, what: str = "both", force: bool = F
         raise ExportError(f"checkpoint '{ckpt}' holds no drafter (the run used rollout.drafter: ngram); export it "
                           "with --what policy")
     run_dir = ckpt.parent.parent
-    step = int(state["step"]) + 1  # RL steps trained; the run logged their evaluation at this step
+    step = steps_done(state)  # RL steps trained; the run logged their evaluation at this step
     prompts = heldout_prompts(run_dir) if what == "both" else []
     accuracy = accuracy_at(step) if accuracy_at is not None else None
     figures = base_figures(cfg, run_id or run_dir.name, step, accuracy, len(prompts))
