@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from tlt import tracking
+from tlt import arch, tracking
 from tlt.errors import UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
@@ -45,12 +45,14 @@ def offline() -> bool:
 
 
 def tiny_arch(name: str) -> str | None:
-    """'llama' / 'qwen2' for 'tiny:llama' / 'tiny:qwen2', None for other names."""
+    """'llama' for 'tiny:llama' (any tlt.arch.TINY architecture), None for other names."""
+    from tlt.arch import TINY  # deferred: the architecture matrix lives there
+
     if not name.startswith("tiny:"):
         return None
     arch = name.split(":", 1)[1]
-    if arch not in ("llama", "qwen2"):
-        raise ModelError(f"unknown tiny model '{name}'; use 'tiny:llama' or 'tiny:qwen2'.")
+    if arch not in TINY:
+        raise ModelError(f"unknown tiny model '{name}'; use one of {', '.join('tiny:' + a for a in TINY)}.")
     return arch
 
 
@@ -182,6 +184,7 @@ def check_run_inputs(cfg, resume: str | None = None) -> str | None:
     """Every id, path and name of a run config (plus `--resume`), before anything starts; returns
     the full id of the run to resume (a prefix is resolved), or None."""
     check_model(cfg.model.name_or_path)
+    arch.check_run_target(cfg)
     check_device(cfg)
     if cfg.data.path:
         check_data_file(cfg.data.path)
