@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tlt.arch import require_vllm_eagle3, target_config
 from tlt.checkpoint import latest_checkpoint, load_checkpoint
 from tlt.config import load_config
 from tlt.drafter.model import build_drafter
@@ -35,6 +36,8 @@ def export_checkpoint(ckpt: Path, out: Path, force: bool = False) -> tuple[Path,
     if not cfg_path.exists():
         raise UserError(f"'{cfg_path}' is missing: the checkpoint's run folder must hold the run's config.yaml")
     cfg = load_config(cfg_path)
+    if (config := target_config(cfg.model)) is not None:  # before the weights load: vLLM must serve the target
+        require_vllm_eagle3(config, "tlt export")
     tensors, _, _ = load_checkpoint(ckpt)
     if "drafter" not in tensors:
         raise UserError(f"checkpoint '{ckpt}' holds no drafter (was the run trained with rollout.drafter: ngram?)")
