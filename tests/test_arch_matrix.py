@@ -138,3 +138,15 @@ def test_rl_step_then_checkpoint_resumes_same_weights_and_next_step(row, tmp_pat
     updater.step(_rl_batch(policy))
     again.step(_rl_batch(resumed))
     assert all(torch.equal(v, policy.state_dict()[k]) for k, v in resumed.state_dict().items())
+
+
+def test_drafter_teacher_logits_are_the_targets(row):
+    """The drafter trains towards the target's distribution rebuilt from the captured final hidden
+    state (hidden_states[-1], after the final norm) and the LM head: with Granite's logits_scaling or a
+    soft cap, the raw head output is not the target's logits."""
+    name, model, prompts, _, trained = row
+    with torch.no_grad():
+        out = model(torch.tensor([prompts[0]]), output_hidden_states=True)
+        head = model.get_output_embeddings().weight
+        torch.testing.assert_close(trained.target_logits(out.hidden_states[-1] @ head.T), out.logits,
+                                   atol=1e-4, rtol=1e-4)

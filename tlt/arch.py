@@ -271,3 +271,12 @@ def check_run_target(cfg) -> None:
     if cfg.rollout.backend == "vllm":
         require_vllm_eagle3(config, "rollout.backend: vllm with rollout.drafter: eagle")
     check_drafter_plan(config, cfg.drafter)
+
+
+# ---------------------------------------------------------------- the target's logits
+def logit_transform(config) -> tuple[float, float | None]:
+    """(scale, softcap) the target applies to its LM head's output: Granite divides by logits_scaling,
+    Gemma 2-style models soft-cap (cap * tanh(x / cap)). The drafter's teacher distribution needs both."""
+    scale = 1.0 / float(getattr(config, "logits_scaling", None) or 1.0)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return scale, (float(cap) if cap else None)

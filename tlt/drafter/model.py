@@ -156,6 +156,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(V) < Vd)
         self._init_rope(target_config)
+        self.logit_scale, self.logit_softcap = arch.logit_transform(target_config)
         self.max_position_embeddings = getattr(target_config, "max_position_embeddings", 4096)
         self.target_head: Tensor | None = None  # optional reference to the target lm_head, for set_vocab
 
@@ -239,6 +240,14 @@ class Eagle3Drafter(nn.Module):
     def compute_logits(self, h: Tensor) -> Tensor:
         """[B,T,H] pre-norm hidden -> [B,T,Vd]."""
         return self.lm_head(self.norm(h))
+
+    def target_logits(self, head_out: Tensor) -> Tensor:
+        """The target's logits from its LM head's raw output (hidden_states[-1] @ lm_head.T): scaled
+        and soft-capped as the target does (tlt.arch.logit_transform), for the teacher distribution."""
+        x = head_out * self.logit_scale if self.logit_scale != 1.0 else head_out
+        if self.logit_softcap:
+            x = torch.tanh(x / self.logit_softcap) * self.logit_softcap
+        return x
 
     def _rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         dev = position_ids.device

@@ -1,0 +1,66 @@
+"""The vLLM rows of the architecture matrix (tlt.arch.MATRIX): for every architecture vLLM (CPU build,
+.venv-vllm) serves as an EAGLE-3 target, tlt's export loads and vLLM's greedy output with the drafter
+equals the target's own greedy output, and vLLM's draft/accept counters equal tlt's prediction for the
+same drafter (EXPORT_SPEC traps: vLLM runs a drafter with missing weights silently, so "it loaded"
+proves nothing). One vLLM engine per architecture (with the drafter; the reference is transformers'
+greedy, which tests/test_vllm.py checks equals vLLM's for Llama) keeps the tier's time down. Llama and
+Qwen2 are covered by tests/test_vllm.py; the architectures vLLM does not serve are checked to be
+refused before anything starts (tests/test_arch_preflight.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from test_vllm import CHECK, K, MAX_TOKENS, PROMPT_LEN, TOL_ACCEPTED, TOL_DRAFTS, VLLM_PY, _greedy, _trained_drafter
+from test_vllm import predict_accepts
+
+from tlt import arch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PY.exists(), reason=f"no vLLM venv at {VLLM_PY}; build it with "
+                       "`bash bench/vllm_venv.sh` or run `make test-vllm`"),
+]
+COVERED = {"llama", "qwen2"}  # tests/test_vllm.py
+SERVED = sorted(a.tiny for a in arch.MATRIX.values() if a.vllm is None and a.tiny not in COVERED)
+
+
+def _run_spec_only(target_dir, drafter_dir, prompts, tmp) -> dict:
+    (tmp / "prompts.json").write_text(json.dumps(prompts))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    cmd = [str(VLLM_PY), str(CHECK), str(target_dir), str(drafter_dir), str(tmp / "prompts.json"), "--k", str(K),
+           "--max-tokens", str(MAX_TOKENS), "--no-baseline", "--out", str(tmp / "vllm.json")]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=900)
+    causes = sorted({ln.split("]", 1)[-1].strip() for ln in proc.stdout.splitlines() if "Error:" in ln})
+    assert proc.returncode == 0, f"vllm_check.py rc {proc.returncode}; errors: {causes}\n{proc.stdout[-4000:]}"
+    return json.loads((tmp / "vllm.json").read_text())
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_vllm_serves_the_export_for(name, tmp_path):
+    from tlt.export import export_eagle3
+    from tlt.models import tiny_model, tiny_tokenizer
+
+    target = tiny_model(name, layers=6, hidden=128, vocab=512, seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 259, (PROMPT_LEN,), generator=g).tolist() for _ in range(4)]
+    drafter = _trained_drafter(target, prompts, 256, 150)
+    target.save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    export_eagle3(drafter, target.config, tmp_path / "drafter")
+    result = _run_spec_only(tmp_path / "target", tmp_path / "drafter", prompts, tmp_path)
+    base = _greedy(target, prompts, MAX_TOKENS + K)
+    assert result["spec"] == [b[:MAX_TOKENS] for b in base], "vLLM with the drafter != the target's greedy output"
+    m = result["metrics"]
+    drafts, accepted = m["vllm:spec_decode_num_drafts"], m["vllm:spec_decode_num_accepted_tokens"]
+    preds = [predict_accepts(target, drafter, p, b, K, MAX_TOKENS) for p, b in zip(prompts, base)]
+    p_drafts, p_acc = sum(x[0] for x in preds), sum(x[1] for x in preds)
+    report = {"arch": name, "vllm": [drafts, accepted], "tlt": [p_drafts, p_acc], "timing_s": result["timing_s"]}
+    print(f"vLLM vs tlt prediction: {report}")
+    assert accepted > 0, f"vLLM accepted nothing: drafter weights not loaded? {report}"
+    assert abs(drafts - p_drafts) <= TOL_DRAFTS and abs(accepted - p_acc) <= TOL_ACCEPTED, report
