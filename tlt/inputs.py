@@ -97,7 +97,7 @@ def model_folder(name: str) -> Path | None:
         return path
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or not _HUB_ID.match(name):
         raise ModelError(f"model folder '{name}' not found; set model.name_or_path to an existing local HF "
-                         f"folder, '{BUNDLED}', or 'tiny:llama' / 'tiny:qwen2'.")
+                         f"folder, '{BUNDLED}', or a tiny random model such as 'tiny:llama'.")
     return None
 
 
