@@ -164,10 +164,9 @@ def test_smoke_recipe_runs_every_stage_through_the_export(name, tmp_path):
     from tlt.pipeline import Pipeline
 
     root = Path(__file__).resolve().parents[1]
-    cfg = load_config(root / "conf" / "smoke.yaml", [f"model.name_or_path=tiny:{name}", "rl.steps=1",
-                                                      f"trainer.checkpoint_dir={tmp_path / 'runs'}",
-                                                      f"export.out_dir={tmp_path / 'export'}", "drafter.where=sequential",
-                                                      "drafter.draft_vocab_size=128"])
+    cfg = load_config(root / "conf" / "smoke.yaml", [
+        f"model.name_or_path=tiny:{name}", "rl.steps=1", f"trainer.checkpoint_dir={tmp_path / 'runs'}",
+        f"export.out_dir={tmp_path / 'export'}", "drafter.where=sequential", "drafter.draft_vocab_size=128"])
     check_run_inputs(cfg)
     with Pipeline(cfg) as p:
         p.validate_data()

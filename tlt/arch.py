@@ -248,7 +248,8 @@ def check_drafter_plan(config, drafter_cfg) -> None:
                         "(aux_layer_ids must be 3 hidden-state ids in [0, num_hidden_layers]).") from None
     want = expected_shapes(config, drafter.draft_vocab_size)
     have = {k: tuple(v.shape) for k, v in drafter.state_dict().items() if k in want or k not in ("d2t", "t2d")}
-    problems = [f"{k}: {have.get(k)} vs {want.get(k)}" for k in sorted(set(want) | set(have)) if have.get(k) != want.get(k)]
+    problems = [f"{k}: {have.get(k)} vs {want.get(k)}" for k in sorted(set(want) | set(have))
+                if have.get(k) != want.get(k)]
     raw = eagle3_config(drafter, config, torch.float32)
     with tempfile.TemporaryDirectory(prefix="tlt-preflight-") as tmp:
         (Path(tmp) / CONFIG).write_text(json.dumps(raw))
