@@ -104,8 +104,8 @@ def test_vllm_support_is_listed_with_reasons():
     for a in arch.MATRIX.values():
         reason = arch.vllm_reason(tiny_config(a.tiny))
         assert reason is None or "vLLM" in reason
-    with pytest.raises(arch.ArchError, match="OLMo 2.*rollout.backend: torch"):
-        arch.require_vllm_eagle3(tiny_config("olmo2"), "rollout.backend: vllm")
+    with pytest.raises(arch.ArchError, match="Gemma 3.*rollout.backend: torch"):
+        arch.require_vllm_eagle3(tiny_config("gemma3"), "rollout.backend: vllm")
     arch.require_vllm_eagle3(tiny_config("qwen3"), "rollout.backend: vllm")
 
 
@@ -142,10 +142,10 @@ def test_run_with_unsupported_architecture_exits_2_before_any_service(tmp_path):
 
 
 def test_vllm_rollout_and_export_refused_for_a_target_vllm_does_not_serve(tmp_path):
-    proc = run_tlt(["run", "conf/smoke.yaml", "--set", "model.name_or_path=tiny:olmo2", "--set",
+    proc = run_tlt(["run", "conf/smoke.yaml", "--set", "model.name_or_path=tiny:gemma3", "--set",
                     "rollout.backend=vllm", "--set", f"trainer.checkpoint_dir={tmp_path / 'runs'}"],
                    cli_env(tmp_path), timeout=180)
-    _refused(proc, "rollout.backend: vllm", "OLMo 2", "olmo2")
+    _refused(proc, "rollout.backend: vllm", "Gemma 3", "gemma3_text")
     _nothing_started(tmp_path)
     from tlt.checkpoint import save_checkpoint
     from tlt.config import dump_yaml
@@ -153,9 +153,43 @@ def test_vllm_rollout_and_export_refused_for_a_target_vllm_does_not_serve(tmp_pa
     run = tmp_path / "ckpt" / "run1"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(dump_yaml(load_config(ROOT / "conf" / "smoke.yaml",
-                                                           ["model.name_or_path=tiny:olmo2"])))
+                                                           ["model.name_or_path=tiny:gemma3"])))
     step = save_checkpoint(run / "checkpoints", 1, {"policy": {"w": torch.zeros(1)}}, {})
     proc = run_tlt(["export", "--checkpoint", str(step), "--out", str(tmp_path / "out")], cli_env(tmp_path),
                    timeout=180)
-    _refused(proc, "tlt export", "OLMo 2")
+    _refused(proc, "tlt export", "Gemma 3")
     assert not (tmp_path / "out").exists()
+
+
+def test_real_gemma3_and_phi4_mini_configs_pass_the_preflight():
+    """The configs of Gemma-3-270M (262k vocabulary, 5 local : 1 global layers, two RoPE bases) and
+    Phi-4-mini (longrope, partial rotary 0.75, tied head), without weights: drafter and export plan check out."""
+    from transformers import Gemma3TextConfig, Phi3Config
+
+    gemma = Gemma3TextConfig(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                             num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                             query_pre_attn_scalar=256, max_position_embeddings=32768)
+    phi = Phi3Config(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                     num_attention_heads=24, num_key_value_heads=8, max_position_embeddings=131072,
+                     original_max_position_embeddings=4096, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                     rope_scaling={"type": "longrope", "long_factor": [1.5] * 48, "short_factor": [1.0] * 48})
+    for config in (gemma, phi):
+        arch.check_drafter_plan(config, DrafterConfig(draft_vocab_size=8192))
+    assert arch.drafter_rope(gemma)["rope_theta"] == gemma.rope_parameters["full_attention"]["rope_theta"]
+    assert arch.drafter_rope(phi)["rope_type"] == "longrope"
+
+
+def test_large_vocabulary_maps_and_export(tmp_path):
+    """A 262k vocabulary (Gemma 3) reduced to 2048 draft ids: the maps pick the most frequent ids, the
+    export passes its checks and reloads."""
+    from tlt.export import check_export, export_eagle3
+
+    cfg = tiny_config("gemma3", vocab=262144, hidden=64)
+    drafter = Eagle3Drafter(cfg, torch.randn(262144, 64) * 0.02, 2048)
+    counts = torch.zeros(262144, dtype=torch.long)
+    frequent = torch.randperm(262144, generator=torch.Generator().manual_seed(0))[:2048]
+    counts[frequent] = torch.arange(1, 2049)
+    drafter.set_vocab(counts)
+    assert torch.equal(drafter.draft_to_target_ids(), frequent.sort().values)
+    out = export_eagle3(drafter, cfg, tmp_path / "eagle3")
+    assert check_export(out, cfg) == []

@@ -41,7 +41,7 @@ MATRIX: dict[str, Arch] = {a.model_type: a for a in (
          vllm=_NO_EAGLE3.format(v="0.32", cls="Gemma3ForCausalLM"),
          note="vocabulary 262k: set drafter.draft_vocab_size (e.g. 8192)"),
     Arch("phi3", "Phi-3 / Phi-4-mini", "phi3"),
-    Arch("olmo2", "OLMo 2", "olmo2", vllm=_NO_EAGLE3.format(v="0.32", cls="Olmo2ForCausalLM")),
+    Arch("olmo2", "OLMo 2", "olmo2"),  # vLLM serves it through its Transformers backend
     Arch("granite", "Granite 3", "granite"),
     Arch("qwen3_moe", "Qwen3-MoE", "qwen3_moe"),
 )}
