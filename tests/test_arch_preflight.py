@@ -122,6 +122,9 @@ def test_deterministic_failures_are_not_retried_transient_ones_are():
         assert deterministic(wrapped)
     assert not deterministic(ConnectionError("MLflow down")) and not deterministic(InjectedFault("killed worker"))
     assert not deterministic(torch.OutOfMemoryError("OOM"))
+    from tasks import stages  # the flow's abort path: a deterministic failure cancels the flow run's retry
+
+    assert stages._final(KeyError("rope_theta")) and not stages._final(InjectedFault("killed worker"))
 
 
 def _unsupported_folder(tmp):

@@ -31,7 +31,8 @@ class Arch:
     note: str = ""
 
 
-_NO_EAGLE3 = "vLLM {v}'s {cls} does not implement SupportsEagle3 (no auxiliary hidden-state outputs)"
+_NO_EAGLE3 = ("vLLM {v}'s {cls} does not implement SupportsEagle3: its engine stops with 'Model does not support "
+              "EAGLE3 interface but aux_hidden_state_outputs was requested'")
 MATRIX: dict[str, Arch] = {a.model_type: a for a in (
     Arch("llama", "Llama (Llama 2/3, SmolLM2)", "llama"),
     Arch("qwen2", "Qwen2 / Qwen2.5", "qwen2"),
