@@ -152,7 +152,6 @@ def test_drafter_teacher_logits_are_the_targets(row):
                                    atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gemma3", "phi3"])
 def test_smoke_recipe_runs_every_stage_through_the_export(name, tmp_path):
     """The two architectures that failed a smoke run (Gemma 3 at the drafter build, Phi-3 at the very end,
@@ -166,7 +165,8 @@ def test_smoke_recipe_runs_every_stage_through_the_export(name, tmp_path):
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "conf" / "smoke.yaml", [
         f"model.name_or_path=tiny:{name}", "rl.steps=1", f"trainer.checkpoint_dir={tmp_path / 'runs'}",
-        f"export.out_dir={tmp_path / 'export'}", "drafter.where=sequential", "drafter.draft_vocab_size=128"])
+        f"export.out_dir={tmp_path / 'export'}", "drafter.where=sequential", "drafter.draft_vocab_size=128",
+        f"model.cache_dir={tmp_path / 'models'}"])  # corpus and warm-start caches next to it, not in the repo's
     check_run_inputs(cfg)
     with Pipeline(cfg) as p:
         p.validate_data()
