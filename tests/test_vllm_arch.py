@@ -1,11 +1,11 @@
 """The vLLM rows of the architecture matrix (tlt.arch.MATRIX): for every architecture vLLM (CPU build,
-.venv-vllm) serves as an EAGLE-3 target, tlt's export loads and vLLM's greedy output with the drafter
+.venv-vllm) serves as an EAGLE-3 target, tlt's export loads, vLLM's greedy output with the drafter
 equals the target's own greedy output, and vLLM's draft/accept counters equal tlt's prediction for the
-same drafter (EXPORT_SPEC traps: vLLM runs a drafter with missing weights silently, so "it loaded"
-proves nothing). One vLLM engine per architecture (with the drafter; the reference is transformers'
-greedy, which tests/test_vllm.py checks equals vLLM's for Llama) keeps the tier's time down. Llama and
-Qwen2 are covered by tests/test_vllm.py; the architectures vLLM does not serve are checked to be
-refused before anything starts (tests/test_arch_preflight.py).
+same drafter (vLLM runs a drafter with missing weights silently, so "it loaded" proves nothing). One
+vLLM engine per architecture (with the drafter; the reference is transformers' greedy, which
+tests/test_vllm.py checks equals vLLM's own for Llama) keeps the tier's time down. Llama and Qwen2 are
+covered by tests/test_vllm.py. The architectures the matrix says vLLM does not serve are checked to be
+refused by vLLM itself here, and by tlt before anything starts in tests/test_arch_preflight.py.
 """
 from __future__ import annotations
 
@@ -47,30 +47,40 @@ class ServedDrafter:
         return self.d(ids, hidden, pos, past=past, key_mask=mask.expand(ids.shape[0], -1, -1))
 
 
-def _run_spec_only(target_dir, drafter_dir, prompts, tmp) -> dict:
+def _vllm(target_dir, drafter_dir, prompts, tmp) -> subprocess.CompletedProcess:
     (tmp / "prompts.json").write_text(json.dumps(prompts))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     cmd = [str(VLLM_PY), str(CHECK), str(target_dir), str(drafter_dir), str(tmp / "prompts.json"), "--k", str(K),
            "--max-tokens", str(MAX_TOKENS), "--no-baseline", "--out", str(tmp / "vllm.json")]
-    proc = subprocess.run(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    return subprocess.run(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=900)
+
+
+def _run_spec_only(target_dir, drafter_dir, prompts, tmp) -> dict:
+    proc = _vllm(target_dir, drafter_dir, prompts, tmp)
     causes = sorted({ln.split("]", 1)[-1].strip() for ln in proc.stdout.splitlines() if "Error:" in ln})
     assert proc.returncode == 0, f"vllm_check.py rc {proc.returncode}; errors: {causes}\n{proc.stdout[-4000:]}"
     return json.loads((tmp / "vllm.json").read_text())
 
 
+def _save(target, drafter, tmp) -> None:
+    from tlt.export import export_eagle3
+    from tlt.models import tiny_tokenizer
+
+    target.save_pretrained(tmp / "target")
+    tiny_tokenizer().save_pretrained(tmp / "target")
+    export_eagle3(drafter, target.config, tmp / "drafter")
+
+
 @pytest.mark.parametrize("name", SERVED)
 def test_vllm_serves_the_export_for(name, tmp_path):
-    from tlt.export import export_eagle3
-    from tlt.models import tiny_model, tiny_tokenizer
+    from tlt.models import tiny_model
 
     target = tiny_model(name, layers=6, hidden=128, vocab=512, seed=0)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 259, (PROMPT_LEN,), generator=g).tolist() for _ in range(4)]
     drafter = _trained_drafter(target, prompts, 256, 150)
-    target.save_pretrained(tmp_path / "target")
-    tiny_tokenizer().save_pretrained(tmp_path / "target")
-    export_eagle3(drafter, target.config, tmp_path / "drafter")
+    _save(target, drafter, tmp_path)
     result = _run_spec_only(tmp_path / "target", tmp_path / "drafter", prompts, tmp_path)
     base = _greedy(target, prompts, MAX_TOKENS + K)
     assert result["spec"] == [b[:MAX_TOKENS] for b in base], "vLLM with the drafter != the target's greedy output"
@@ -84,3 +94,17 @@ def test_vllm_serves_the_export_for(name, tmp_path):
     print(f"vLLM vs tlt prediction: {report}")
     assert accepted > 0, f"vLLM accepted nothing: drafter weights not loaded? {report}"
     assert abs(drafts - p_drafts) <= TOL_DRAFTS and abs(accepted - p_acc) <= TOL_ACCEPTED, report
+
+
+@pytest.mark.parametrize("name", sorted(a.tiny for a in arch.MATRIX.values() if a.vllm))
+def test_vllm_refuses_what_the_matrix_says_it_does_not_serve(name, tmp_path):
+    """The matrix's 'no' is vLLM's own answer (tlt refuses these before anything starts, so this is the
+    only place vLLM is asked): when a vLLM upgrade serves the architecture, this fails and the row changes."""
+    from tlt.models import tiny_model
+
+    target = tiny_model(name, layers=6, hidden=128, vocab=512, seed=0)
+    _save(target, _trained_drafter(target, [], 256, 0), tmp_path)
+    proc = _vllm(tmp_path / "target", tmp_path / "drafter", [[5, 6, 7, 8]], tmp_path)
+    assert proc.returncode != 0 and "does not support EAGLE3" in proc.stdout, proc.stdout[-3000:]
+    assert "does not support EAGLE3" in arch.vllm_reason(target.config)
+
