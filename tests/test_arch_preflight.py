@@ -85,6 +85,10 @@ def test_unknown_architecture_refused_with_the_matrix():
 
     with pytest.raises(arch.ArchError, match="gpt2.*Gemma 3 \\(text\\)"):
         arch.arch_of(GPT2Config())
+    from transformers import Gemma3Config
+
+    with pytest.raises(arch.ArchError, match="multimodal Gemma 3.*Gemma3ForCausalLM"):
+        arch.arch_of(Gemma3Config())
 
 
 def test_drafter_plan_catches_what_the_export_would_refuse_at_the_end(monkeypatch):

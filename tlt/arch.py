@@ -56,8 +56,11 @@ def supported_names() -> str:
 def arch_of(config) -> Arch:
     """The matrix row of a target config; ArchError for an architecture outside the matrix."""
     kind = getattr(config, "model_type", None)
-    if kind == "gemma3":  # the multimodal Gemma 3 config wraps the text model's
-        kind = "gemma3_text"
+    if kind == "gemma3":  # Gemma 3 4B and larger: vision tower + language model in one checkpoint
+        raise ArchError("model architecture 'gemma3' is the multimodal Gemma 3 (Gemma3ForConditionalGeneration); tlt "
+                        "trains text models. Save its language model as a text checkpoint (Gemma3ForCausalLM, "
+                        "model_type gemma3_text) with save_pretrained and pass that folder, or use a text-only Gemma 3 "
+                        "(270M, 1B).")
     if kind not in MATRIX:
         archs = getattr(config, "architectures", None) or [kind]
         raise ArchError(
