@@ -200,3 +200,13 @@ def test_large_vocabulary_maps_and_export(tmp_path):
     assert torch.equal(drafter.draft_to_target_ids(), frequent.sort().values)
     out = export_eagle3(drafter, cfg, tmp_path / "eagle3")
     assert check_export(out, cfg) == []
+
+
+def test_getting_started_lists_the_matrix_as_tlt_reads_it():
+    page = (ROOT / "docs" / "getting-started.md").read_text().split("## Supported architectures", 1)[1]
+    rows = {ln.split("`")[1]: ln.split("|") for ln in page.splitlines() if ln.startswith("| ") and "(`" in ln}
+    for a in arch.MATRIX.values():
+        cells = rows[a.model_type]
+        assert cells[3].strip() == "yes" and f"`tiny:{a.tiny}`" in cells[5], cells
+        assert cells[4].strip().startswith("no") == (a.vllm is not None), (a.model_type, cells[4])
+    assert sorted(rows) == sorted(arch.MATRIX)

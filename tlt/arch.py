@@ -21,14 +21,14 @@ class ArchError(UserError):
 
 @dataclass(frozen=True)
 class Arch:
-    """One row of the support matrix. `vllm`: None when vLLM serves this architecture as an EAGLE-3
-    target, else the reason it does not; `note`: what a run with such a model needs."""
+    """One row of the support matrix (docs/getting-started.md renders it with what each row needs).
+    `tiny`: the name of its tiny random model (`tiny:<name>`); `vllm`: None when vLLM serves this
+    architecture as an EAGLE-3 target, else the reason it does not."""
 
     model_type: str
     name: str
     tiny: str
     vllm: str | None = None
-    note: str = ""
 
 
 _NO_EAGLE3 = ("vLLM {v}'s {cls} does not implement SupportsEagle3: its engine stops with 'Model does not support "
@@ -39,8 +39,7 @@ MATRIX: dict[str, Arch] = {a.model_type: a for a in (
     Arch("qwen3", "Qwen3 (dense)", "qwen3"),
     Arch("mistral", "Mistral", "mistral"),
     Arch("gemma3_text", "Gemma 3 (text)", "gemma3",
-         vllm=_NO_EAGLE3.format(v="0.32", cls="Gemma3ForCausalLM"),
-         note="vocabulary 262k: set drafter.draft_vocab_size (e.g. 8192)"),
+         vllm=_NO_EAGLE3.format(v="0.32", cls="Gemma3ForCausalLM")),
     Arch("phi3", "Phi-3 / Phi-4-mini", "phi3"),
     Arch("olmo2", "OLMo 2", "olmo2"),  # vLLM serves it through its Transformers backend
     Arch("granite", "Granite 3", "granite"),
