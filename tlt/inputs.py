@@ -45,15 +45,13 @@ def offline() -> bool:
 
 
 def tiny_arch(name: str) -> str | None:
-    """'llama' for 'tiny:llama' (any tlt.arch.TINY architecture), None for other names."""
-    from tlt.arch import TINY  # deferred: the architecture matrix lives there
-
+    """'llama' for 'tiny:llama' (any architecture of tlt.arch.TINY), None for other names."""
     if not name.startswith("tiny:"):
         return None
-    arch = name.split(":", 1)[1]
-    if arch not in TINY:
-        raise ModelError(f"unknown tiny model '{name}'; use one of {', '.join('tiny:' + a for a in TINY)}.")
-    return arch
+    kind = name.split(":", 1)[1]
+    if kind not in arch.TINY:
+        raise ModelError(f"unknown tiny model '{name}'; use one of {', '.join('tiny:' + a for a in arch.TINY)}.")
+    return kind
 
 
 def bundled_gguf_dir() -> Path:
