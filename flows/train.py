@@ -5,7 +5,7 @@ from prefect import flow
 
 from tasks import stages
 from tlt.config import RunConfig
-from tlt.errors import UserError
+from tlt.errors import deterministic
 
 
 def _eval_due(step: int, cfg: RunConfig) -> bool:
@@ -16,14 +16,18 @@ def _eval_due(step: int, cfg: RunConfig) -> bool:
 def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrain: bool = False) -> dict:
     """Train a policy with speculative rollout and an adaptive drafter; every stage is tracked in MLflow.
 
+    The one retry is for transient failures (an outage, a killed worker: it resumes from the last
+    checkpoint); a failure that would repeat (tlt.errors.deterministic) cancels it.
+
     `resume`: an MLflow run id to continue from its last checkpoint. `retrain`: start from the
     registry's champion policy and drafter, promote the new version only if neither the policy's
     held-out accuracy nor the drafter's accept length dropped.
     """
     try:
         run_id = stages.start_run(config, resume, retrain)
-    except UserError:  # a wrong id or path (tlt.inputs): a retry would fail the same way
-        stages.cancel_retries()
+    except Exception as exc:
+        if deterministic(exc):  # a wrong id, path or model (tlt.inputs, tlt.arch): a retry would fail the same way
+            stages.cancel_retries()
         raise
     try:
         stages.validate_data(run_id)

@@ -19,7 +19,7 @@ from prefect.runtime import deployment, flow_run, task_run
 
 from tlt.config import RunConfig
 from tlt.console import eval_line, step_line
-from tlt.errors import UserError, exception_chain
+from tlt.errors import deterministic, exception_chain
 from tlt.inputs import check_run_inputs
 from tlt.export_run import export_checkpoint as export, resolve_checkpoint
 from tlt.pipeline import Pipeline
@@ -53,9 +53,9 @@ def close_pipeline(run_id: str, status: str = "FINISHED") -> None:
 
 
 def _retry_unless_user_error(task, task_run, state) -> bool:
-    """Retry an outage, never a bad input (it would fail the same way again)."""
+    """Retry an outage, never a bad input or another deterministic failure (it would fail the same way again)."""
     exc = state.result(raise_on_failure=False)
-    return not (isinstance(exc, BaseException) and any(isinstance(e, UserError) for e in exception_chain(exc)))
+    return not (isinstance(exc, BaseException) and deterministic(exc))
 
 
 @task(name="start-run", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
@@ -184,9 +184,10 @@ def abort_run(run_id: str, exc: BaseException | None = None) -> None:
 
 
 def _final(exc: BaseException | None) -> bool:
-    """A `UserError` (bad data, a reward function that raises, a drafter for another target) or an
-    interruption (SIGTERM, Ctrl-C: not an `Exception`) anywhere in the exception's chain."""
-    return any(isinstance(e, UserError) or not isinstance(e, Exception) for e in exception_chain(exc))
+    """A failure a retry would repeat (`tlt.errors.deterministic`: a `UserError` such as bad data or a drafter
+    for another target, a KeyError in a model's config...) or an interruption (SIGTERM, Ctrl-C: not an
+    `Exception`) anywhere in the exception's chain."""
+    return deterministic(exc) or any(not isinstance(e, Exception) for e in exception_chain(exc))
 
 
 def cancel_retries() -> None:

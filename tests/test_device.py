@@ -157,7 +157,7 @@ ALLOWED = {
     ("tlt/drafter/buffer.py", "DraftBuffer.token_counts"): "counts over the CPU buffer",
     ("tlt/drafter/model.py", "RMSNorm.__init__"): "module construction: builders move the module (.to(device))",
     ("tlt/drafter/model.py", "Eagle3Drafter.__init__"): "module construction: builders move the module (.to(device))",
-    ("tlt/drafter/model.py", "Eagle3Drafter._init_rope"): "module construction: builders move the module",
+    ("tlt/drafter/model.py", "Eagle3Drafter._rope_frequencies"): "module construction, on the CPU also under meta",
     ("tlt/drafter/online.py", "OnlineRefresher.__init__"): "a CPU generator that draws shuffle seeds",
     ("tlt/drafter/train.py", "_collate"): HOST + " (compute_loss moves the batch to the drafter's device)",
     ("tlt/drafter/train.py", "collect_samples"): HOST + " (ids moved with .to(dev); samples live on the CPU)",

@@ -15,3 +15,18 @@ def exception_chain(exc: BaseException | None) -> Iterator[BaseException]:
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+# A failure of this kind repeats when the same code runs again on the same inputs (a bug, a model or
+# setting tlt cannot handle); an outage, a lost connection, a killed worker or an OOM (OSError,
+# RuntimeError) may not, so only those are worth a retry.
+_DETERMINISTIC = (ValueError, LookupError, AttributeError, TypeError, NotImplementedError, ImportError,
+                  AssertionError, ArithmeticError)
+
+
+def deterministic(exc: BaseException | None) -> bool:
+    """True when a retry would fail the same way: a `UserError` anywhere in the exception's chain, or
+    the exception itself one of the deterministic kinds above (a KeyError in a model's config, ...)."""
+    if exc is None:
+        return False
+    return isinstance(exc, _DETERMINISTIC) or any(isinstance(e, UserError) for e in exception_chain(exc))

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from tlt.atomic import staged_dir
-from tlt.drafter.model import Eagle3Drafter, rope_parameters
+from tlt.arch import drafter_rope
+from tlt.drafter.model import Eagle3Drafter
 from tlt.errors import UserError
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -51,12 +52,21 @@ def expected_shapes(target_config, draft_vocab_size: int) -> dict[str, tuple[int
     return shapes
 
 
+def rope_keys(target_config) -> tuple[dict, dict]:
+    """(legacy RoPE keys, extra keys) of the export's config.json: the drafter's RoPE (tlt.arch.drafter_rope:
+    the full-attention layers' of a per-layer-type target) as rope_theta / rope_scaling, and a partial
+    rotary factor below 1 as the top-level key engines read."""
+    rope = drafter_rope(target_config)
+    theta = rope.pop("rope_theta", 10000.0)
+    factor = rope.pop("partial_rotary_factor", None)
+    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    return {"rope_theta": theta, "rope_scaling": scaling}, ({"partial_rotary_factor": factor} if factor else {})
+
+
 def eagle3_config(drafter: Eagle3Drafter, target_config, dtype: torch.dtype) -> dict:
     """config.json content: numbers from the target, legacy rope keys, both layer-id conventions."""
     d = _dims(target_config)
-    rope = rope_parameters(target_config)
-    theta = rope.pop("rope_theta", 10000.0)
-    scaling = rope if rope.get("rope_type", "default") != "default" else None
+    rope, extra = rope_keys(target_config)
     ids = [int(i) for i in drafter.aux_layer_ids]
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
@@ -66,7 +76,7 @@ def eagle3_config(drafter: Eagle3Drafter, target_config, dtype: torch.dtype) -> 
         "rms_norm_eps": getattr(target_config, "rms_norm_eps", 1e-6),
         "vocab_size": d["V"], "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": d["H"],
         "max_position_embeddings": target_config.max_position_embeddings,
-        "rope_theta": theta, "rope_scaling": scaling,
+        **rope, **extra,
         "attention_bias": False, "mlp_bias": False, "bias": False,
         "tie_word_embeddings": False, "norm_before_residual": False,
         # vLLM reads the top-level ids as HF hidden_states ids; SGLang reads the nested ones + 1.
@@ -145,8 +155,8 @@ def _check_config(path: Path, raw: dict, target_config) -> list[str]:
     except Exception as err:  # any parse failure is a problem to report, not to raise
         return [f"config.json does not load with transformers.AutoConfig: {err}"]
     problems = []
-    if rope_parameters(loaded) != rope_parameters(target_config):
-        problems.append(f"RoPE {rope_parameters(loaded)} differs from the target's {rope_parameters(target_config)}")
+    if drafter_rope(loaded) != drafter_rope(target_config):
+        problems.append(f"RoPE {drafter_rope(loaded)} differs from the target's {drafter_rope(target_config)}")
     if loaded.max_position_embeddings != target_config.max_position_embeddings:
         problems.append(f"max_position_embeddings {loaded.max_position_embeddings} != target's "
                         f"{target_config.max_position_embeddings}")

@@ -8,6 +8,7 @@ from typing import Callable
 
 import pandas as pd
 
+from tlt.arch import require_vllm_eagle3, target_config
 from tlt.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from tlt.config import load_config
 from tlt.drafter.model import build_drafter
@@ -46,13 +47,17 @@ def _load_strict(module, state: dict, what: str, ckpt: Path) -> None:
                           "checkpoint folder, or restore its config.yaml.") from None
 
 
-def rebuild(ckpt: Path):
+def rebuild(ckpt: Path, what: str = "both"):
     """(config, policy, tokenizer, drafter or None, checkpoint state) of a checkpoint, the policy and
-    drafter checked against the shapes the run's config builds (ExportError naming the misfit)."""
+    drafter checked against the shapes the run's config builds (ExportError naming the misfit). A
+    drafter export (`what` drafter or both) of a target vLLM serves without EAGLE-3 is refused first,
+    before any weights load."""
     cfg_path = ckpt.parent.parent / "config.yaml"
     if not cfg_path.exists():
         raise UserError(f"'{cfg_path}' is missing: the checkpoint's run folder must hold the run's config.yaml")
     cfg = load_config(cfg_path)
+    if what != "policy" and (config := target_config(cfg.model)) is not None:
+        require_vllm_eagle3(config, "tlt export")
     try:
         tensors, state, _ = load_checkpoint(ckpt)
     except CheckpointError as err:
@@ -80,7 +85,7 @@ def export_checkpoint(ckpt: Path, out: Path, what: str = "both", force: bool = F
 
     accuracy_at(step): the run's held-out accuracy logged at that step (the run evaluated these
     weights), or None. `--what both` needs the checkpoint's drafter (ExportError without one)."""
-    cfg, target, tokenizer, drafter, state = rebuild(ckpt)
+    cfg, target, tokenizer, drafter, state = rebuild(ckpt, what)
     if what != "policy" and drafter is None:
         raise ExportError(f"checkpoint '{ckpt}' holds no drafter (the run used rollout.drafter: ngram); export it "
                           "with --what policy")

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-from tlt import tracking
+from tlt import arch, tracking
 from tlt.errors import UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
@@ -45,13 +45,13 @@ def offline() -> bool:
 
 
 def tiny_arch(name: str) -> str | None:
-    """'llama' / 'qwen2' for 'tiny:llama' / 'tiny:qwen2', None for other names."""
+    """'llama' for 'tiny:llama' (any architecture of tlt.arch.TINY), None for other names."""
     if not name.startswith("tiny:"):
         return None
-    arch = name.split(":", 1)[1]
-    if arch not in ("llama", "qwen2"):
-        raise ModelError(f"unknown tiny model '{name}'; use 'tiny:llama' or 'tiny:qwen2'.")
-    return arch
+    kind = name.split(":", 1)[1]
+    if kind not in arch.TINY:
+        raise ModelError(f"unknown tiny model '{name}'; use one of {', '.join('tiny:' + a for a in arch.TINY)}.")
+    return kind
 
 
 def bundled_gguf_dir() -> Path:
@@ -95,7 +95,7 @@ def model_folder(name: str) -> Path | None:
         return path
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or not _HUB_ID.match(name):
         raise ModelError(f"model folder '{name}' not found; set model.name_or_path to an existing local HF "
-                         f"folder, '{BUNDLED}', or 'tiny:llama' / 'tiny:qwen2'.")
+                         f"folder, '{BUNDLED}', or a tiny random model such as 'tiny:llama'.")
     return None
 
 
@@ -182,6 +182,7 @@ def check_run_inputs(cfg, resume: str | None = None) -> str | None:
     """Every id, path and name of a run config (plus `--resume`), before anything starts; returns
     the full id of the run to resume (a prefix is resolved), or None."""
     check_model(cfg.model.name_or_path)
+    arch.check_run_target(cfg)
     check_device(cfg)
     if cfg.data.path:
         check_data_file(cfg.data.path)

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
-                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase,
+                          PreTrainedTokenizerFast)
 
 from tlt.atomic import staged_dir
 from tlt.config import ModelConfig
@@ -48,30 +48,67 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def tiny_model(arch: str = "llama", layers: int = 4, hidden: int = 128, vocab: int = 512,
-               seed: int = 0) -> PreTrainedModel:
-    """A random Llama or Qwen2 causal LM built from a fresh config (fp32, eval mode).
+TINY_WINDOW = 8  # sliding window of the tiny sliding-attention models: tests decode well past it
 
-    head_dim is 64 (vLLM CPU supports it); KV heads = heads // 2 to exercise GQA. The final
-    norm gets non-unit weights so that a wrong or missing norm in an export changes outputs.
-    """
+
+def _arch_kwargs(arch: str, heads: int) -> dict:
+    """Per-architecture structure of the tiny models, as the real checkpoints have it."""
+    sliding = ["sliding_attention"] * 3 + ["full_attention"]
+    return {
+        "llama": {},
+        "qwen2": {},  # q/k/v biases
+        "qwen3": dict(tie_word_embeddings=True),  # q/k norms; tied like Qwen3-0.6B
+        "mistral": dict(sliding_window=TINY_WINDOW),
+        "gemma3": dict(tie_word_embeddings=True, sliding_window=TINY_WINDOW, query_pre_attn_scalar=64,
+                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+                       hidden_activation="gelu_pytorch_tanh"),
+        "phi3": dict(partial_rotary_factor=0.75),  # fused qkv/gate_up; partial RoPE as Phi-4-mini
+        "olmo2": {},  # q/k norms over all heads, norms after attention and MLP
+        "granite": dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                        attention_multiplier=0.015625, logits_scaling=8.0),
+        "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1),
+    }[arch] | ({"layer_types": sliding} if arch == "gemma3" else {})
+
+
+def tiny_config(arch: str = "llama", layers: int = 4, hidden: int = 128, vocab: int = 512):
+    """The transformers config of a tiny random model of architecture `arch` (tlt.arch.TINY): head_dim
+    64 (vLLM CPU supports it), KV heads = heads // 2 (GQA), the architecture's own structure."""
+    import transformers
+
+    from tlt.arch import TINY
+
+    if arch not in TINY:
+        raise ValueError(f"unknown tiny architecture '{arch}'; use one of {', '.join(TINY)}")
     heads = max(2, hidden // 64)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=64,
                   max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
                   bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    if layers < 4 and arch == "gemma3":
+        raise ValueError("tiny gemma3 needs 4 layers or more (3 sliding, then full attention)")
+    kw = common | _arch_kwargs(arch, heads)
+    if arch == "gemma3":
+        kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
+    cls = transformers.CONFIG_MAPPING[TINY[arch]]
+    return cls(**kw)
+
+
+def tiny_model(arch: str = "llama", layers: int = 4, hidden: int = 128, vocab: int = 512,
+               seed: int = 0) -> PreTrainedModel:
+    """A random causal LM of architecture `arch` built from a fresh config (fp32, eval mode).
+
+    The final norm gets non-unit weights so that a wrong or missing norm in an export changes outputs.
+    """
+    config = tiny_config(arch, layers, hidden, vocab)
     torch.manual_seed(seed)
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        raise ValueError(f"unknown tiny architecture '{arch}'; use 'llama' or 'qwen2'")
+    model = AutoModelForCausalLM.from_config(config)
+    gemma = config.model_type.startswith("gemma")  # norms scale by 1 + weight
     with torch.no_grad():
-        model.model.norm.weight.uniform_(0.5, 1.5)
+        model.model.norm.weight.uniform_(-0.5, 0.5) if gemma else model.model.norm.weight.uniform_(0.5, 1.5)
         # Larger init than HF's default 0.02 so that random models have peaked, varied distributions.
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:
                 p.normal_(0, 0.08)
     return model.eval()
 

@@ -13,7 +13,7 @@ Two engines, one after the other (memory: each holds its own KV cache):
      max_tokens, so a predictor that replays the counters needs the k tokens beyond the end.
 Both run fp32 (bf16 and fp32 greedy outputs differ on random weights) with ignore_eos, or with
 `--stop-at-eos` stop at EOS as in serving (bench/vllm_accept.py).
-Output JSON: {"spec": [[ids]], "baseline": [[ids]], "metrics": {name: int | [int]},
+Output JSON: {"spec": [[ids]], "baseline": [[ids]] (null with --no-baseline), "metrics": {name: int | [int]},
 "timing_s": {...}, "versions": {...}}; metrics are vLLM's `vllm:spec_decode_*` counters.
 """
 from __future__ import annotations
@@ -39,6 +39,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--max-model-len", type=int, default=512, help="small: the KV cache is sized for it")
     ap.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache memory per engine (CPU RAM)")
     ap.add_argument("--out", default="-", help="result JSON path ('-' = stdout)")
+    ap.add_argument("--no-baseline", action="store_true", help="start only the engine with the drafter (the "
+                    "caller compares with its own greedy reference: one engine start instead of two)")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop each request at EOS, as in serving "
                     "(default: fixed length, ignore_eos)")
     return ap.parse_args(argv)
@@ -82,6 +84,18 @@ def spec_metrics(llm) -> dict[str, int | list[int]]:
     return found
 
 
+def _baseline(args: argparse.Namespace, prompts: list[list[int]], timing: dict) -> list[list[int]]:
+    t0 = time.perf_counter()
+    llm = make_llm(args, len(prompts), speculative=False)
+    timing["start_baseline_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    baseline = generate(llm, prompts, args.max_tokens + args.k, args.stop_at_eos)
+    timing["generate_baseline_s"] = time.perf_counter() - t0
+    del llm
+    gc.collect()
+    return baseline
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch  # deferred: loaded only when the check runs, with vllm
     import vllm  # deferred: vllm, as above
@@ -99,14 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     # One engine at a time: shut the first down before the second allocates its cache.
     del llm
     gc.collect()
-    t0 = time.perf_counter()
-    llm = make_llm(args, len(prompts), speculative=False)
-    timing["start_baseline_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    baseline = generate(llm, prompts, args.max_tokens + args.k, args.stop_at_eos)
-    timing["generate_baseline_s"] = time.perf_counter() - t0
-    del llm
-    gc.collect()
+    baseline = None if args.no_baseline else _baseline(args, prompts, timing)
     return {"spec": spec, "baseline": baseline, "metrics": metrics, "k": args.k, "max_tokens": args.max_tokens,
             "timing_s": {k: round(v, 2) for k, v in timing.items()},
             "versions": {"vllm": vllm.__version__, "torch": torch.__version__}}

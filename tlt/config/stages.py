@@ -20,7 +20,8 @@ class ModelConfig(Stage):
     name_or_path: str = Field(
         "bundled:smollm2-135m-instruct",
         description="Target policy: 'bundled:smollm2-135m-instruct', a local HF directory, "
-        "a hub id (online only) or 'tiny:llama' / 'tiny:qwen2' (random, for tests)",
+        "a hub id (online only) or 'tiny:ARCH' (a random model for tests: tiny:llama, tiny:qwen2, tiny:qwen3, "
+        "tiny:mistral, tiny:gemma3, tiny:phi3, tiny:olmo2, tiny:granite, tiny:qwen3_moe)",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype the policy's weights are "
                                                              "stored (and updated) in: float32 = fp32 master "

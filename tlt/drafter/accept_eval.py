@@ -144,7 +144,8 @@ def evaluate_drafter(drafter, samples: list[Sample], prompt_lens: list[int], dep
                 roots.append(a)
                 if temperature > 0 and lm_head_weight is not None and R > 1:
                     th = s["target_hidden"][P:P + R - 1].float().to(lm_head_weight.device)
-                    p_t = torch.softmax((th @ lm_head_weight.float().T) / temperature, -1)[:, draft_ids]
+                    logits = drafter.target_logits(th @ lm_head_weight.float().T)  # the target's own scaling
+                    p_t = torch.softmax(logits / temperature, -1)[:, draft_ids]
                     q = torch.softmax(first[j, P - 1:P - 1 + R - 1].float() / temperature, -1)
                     fsum.append(float(torch.minimum(p_t, q.to(p_t.device)).sum()))
                     fcnt.append(R - 1)

@@ -22,18 +22,9 @@ from torch import Tensor, nn
 from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from tlt import arch
+from tlt.arch import rope_parameters  # noqa: F401 - re-exported: the RoPE reading lives in tlt.arch
 from tlt.versions import bump
-
-
-def rope_parameters(config) -> dict:
-    """The target's RoPE settings as one dict (transformers 5 `rope_parameters` or legacy keys)."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    return params
 
 
 def default_aux_ids(num_layers: int) -> list[int]:
@@ -66,6 +57,14 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, dim: int) -> Tensor:
+    """RoPE on the first `dim` channels of each head, the rest passed through (partial rotary)."""
+    if dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot, rest = x[..., :dim], x[..., dim:]
+    return torch.cat([rot * cos + rotate_half(rot) * sin, rest], dim=-1)
+
+
 class Attention(nn.Module):
     """GQA attention over the 2H-wide input; the cache holds keys with RoPE applied."""
 
@@ -78,6 +77,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * hidden, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * hidden, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.rotary_dim = self.head_dim  # fewer with a partial rotary factor (Phi-4-mini): set by the drafter
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, past, mask: Tensor):
         """x [B,T,2H]; cos/sin [B,T,hd]; mask [B,T,S_past+T] bool (True = attend).
@@ -89,8 +89,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotary(q, cos, sin, self.rotary_dim), rotary(k, cos, sin, self.rotary_dim)
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
@@ -157,22 +156,33 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.arange(V) < Vd)
         self._init_rope(target_config)
+        self.logit_scale, self.logit_softcap = arch.logit_transform(target_config)
         self.max_position_embeddings = getattr(target_config, "max_position_embeddings", 4096)
         self.target_head: Tensor | None = None  # optional reference to the target lm_head, for set_vocab
 
     def _init_rope(self, config) -> None:
-        params = rope_parameters(config)
-        kind = params.get("rope_type", "default")
-        if kind == "default":
-            hd = self.midlayer.self_attn.head_dim
-            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-            scale = 1.0
-        else:
-            # Scaled variants (llama3, yarn, linear, ...) use transformers' own formulas.
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, None)
+        """Frequencies of the drafter's one full-attention layer (tlt.arch.drafter_rope: Gemma 3's
+        global-layer RoPE, a partial rotary factor), the same numbers the export writes."""
+        with torch.device("cpu"):  # also when the drafter is built on the meta device (tlt.arch's preflight)
+            inv_freq, scale = self._rope_frequencies(config)
+        self.midlayer.self_attn.rotary_dim = 2 * inv_freq.numel()
         # A plain attribute, not a buffer: `.to(bfloat16)` must not round the frequencies.
         self._inv_freq = {torch.device("cpu"): inv_freq.float().cpu()}
         self.rope_scale = float(scale)
+
+    def _rope_frequencies(self, config) -> tuple[Tensor, float]:
+        params = arch.drafter_rope(config)
+        kind = params.get("rope_type", "default")
+        hd = self.midlayer.self_attn.head_dim
+        dim = int(hd * params.get("partial_rotary_factor", 1.0))
+        dim -= dim % 2
+        if kind == "default":
+            inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            scale = 1.0
+        else:
+            # Scaled variants (llama3, yarn, linear, ...) use transformers' own formulas.
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](config, None, layer_type=arch.rope_layer_type(config))
+        return inv_freq, scale
 
     # ---- vocabulary maps -------------------------------------------------------------------
     @torch.no_grad()
@@ -231,6 +241,14 @@ class Eagle3Drafter(nn.Module):
         """[B,T,H] pre-norm hidden -> [B,T,Vd]."""
         return self.lm_head(self.norm(h))
 
+    def target_logits(self, head_out: Tensor) -> Tensor:
+        """The target's logits from its LM head's raw output (hidden_states[-1] @ lm_head.T): scaled
+        and soft-capped as the target does (tlt.arch.logit_transform), for the teacher distribution."""
+        x = head_out * self.logit_scale if self.logit_scale != 1.0 else head_out
+        if self.logit_softcap:
+            x = torch.tanh(x / self.logit_softcap) * self.logit_softcap
+        return x
+
     def _rope(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
         dev = position_ids.device
         if dev not in self._inv_freq:
@@ -281,15 +299,16 @@ def build_drafter(target_model, cfg) -> Eagle3Drafter:
     norm and LM-head rows (initial draft vocab = the first Vd ids until `set_vocab` is called).
     """
     config = target_model.config
+    arch.arch_of(config)  # ArchError (exit 2) for an architecture outside the tested matrix
     embed = target_model.get_input_embeddings().weight
     drafter = Eagle3Drafter(config, embed, cfg.draft_vocab_size, cfg.aux_layer_ids)
     head = target_model.get_output_embeddings()
     drafter.target_head = head.weight.detach() if head is not None else embed.detach()
     with torch.no_grad():
         drafter.lm_head.weight.copy_(drafter.target_head[: drafter.draft_vocab_size])
-        final_norm = getattr(getattr(target_model, "model", None), "norm", None)
+        final_norm = arch.final_norm(target_model)
         if final_norm is not None and getattr(final_norm, "weight", None) is not None:
-            drafter.norm.weight.copy_(final_norm.weight.detach().float())
+            drafter.norm.weight.copy_(arch.norm_scale(final_norm, config))
     if cfg.init_from_target:
         init_from_last_layer(drafter, target_model)
     # fp32 master weights whatever the target dtype; forward casts its inputs to match.
@@ -303,20 +322,27 @@ def init_from_last_layer(drafter: Eagle3Drafter, target_model) -> None:
     fc passes the last aux feature (layer N-3) through unchanged; attention reads the hidden half
     of its 2H input with the layer's q/k/v (the embedding half starts at zero); o_proj, the MLP and
     the norms are copied. With the final norm and LM head this already predicts the next token,
-    which training then refines (same shapes, so the export format is unchanged). Biases (Qwen2)
-    have no slot in the drafter and are left out.
+    which training then refines (same shapes, so the export format is unchanged). What the
+    drafter's Llama layer has no slot for stays out: biases (Qwen2), q/k norms (Qwen3, Gemma 3,
+    OLMo 2), post-norms (Gemma 3, OLMo 2), experts (MoE: the MLP keeps its random start).
     """
-    layer = target_model.model.layers[-1]
+    config = target_model.config
+    layer = arch.decoder_layers(target_model)[-1]
     H, mid = drafter.hidden_size, drafter.midlayer
     drafter.fc.weight.zero_()
     drafter.fc.weight[:, 2 * H:] = torch.eye(H, device=drafter.fc.weight.device)
-    for name in ("q_proj", "k_proj", "v_proj"):
-        dst, src = getattr(mid.self_attn, name).weight, getattr(layer.self_attn, name).weight
+    for name, src in zip(("q_proj", "k_proj", "v_proj"), arch.attn_weights(layer, config)):
+        dst = getattr(mid.self_attn, name).weight
         dst.zero_()
         dst[:, H:] = src.float()
     mid.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight.float())
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        getattr(mid.mlp, name).weight.copy_(getattr(layer.mlp, name).weight.float())
-    mid.input_layernorm.weight.copy_(layer.input_layernorm.weight.float())
-    mid.hidden_norm.weight.copy_(layer.input_layernorm.weight.float())
-    mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight.float())
+    mlp = arch.mlp_weights(layer)
+    if mlp is not None:
+        for name, src in zip(("gate_proj", "up_proj", "down_proj"), mlp):
+            getattr(mid.mlp, name).weight.copy_(src.float())
+    pre_attn, pre_mlp = arch.layer_norms(layer, config)
+    if pre_attn is not None:
+        mid.input_layernorm.weight.copy_(pre_attn)
+        mid.hidden_norm.weight.copy_(pre_attn)
+    if pre_mlp is not None:
+        mid.post_attention_layernorm.weight.copy_(pre_mlp)

@@ -210,7 +210,7 @@ class DrafterTrainer:
         draft_ids = self.drafter.draft_to_target_ids()
         with torch.no_grad():
             th = target_hidden.to(head.dtype)
-            probs = torch.softmax((th @ head[draft_ids].T).float(), dim=-1)
+            probs = torch.softmax(self.drafter.target_logits((th @ head[draft_ids].T).float()), dim=-1)
             argmax = draft_ids[probs.argmax(-1)]
         return probs, argmax
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
+from tlt import arch
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.rollout.cache import SlotCache
 from tlt.rollout.calibrate import Calibrator
@@ -62,6 +63,7 @@ class RolloutEngine(TunerState):
         self.probe_metrics = self._probe_copy() if self.drafter_copy is not None else {}
         self.calibrator = Calibrator()  # drafter confidence -> acceptance, learned online (draft_stop_below)
         self.device = next(model.parameters()).device
+        self.window = arch.sliding_window(model.config)[0]  # sliding-attention layers see this many positions
         self.eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
         self.forward_calls = 0  # target forwards, for tests (prefill once per group)
 
@@ -72,6 +74,8 @@ class RolloutEngine(TunerState):
         capture: a `Capture` that records the raw target features (aux layers, final hidden) of these positions.
         """
         self.forward_calls += 1
+        if self.window is not None:  # the slots are no positions: the window is applied to the key positions
+            mask = arch.layer_masks(self.model.config, mask, pos, key_positions(cache, pos))
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, cache=cache, use_cache=True,
                          logits_to_keep=1 if keep_last else 0, output_hidden_states=hidden or capture is not None)
         out.logits = out.logits.float()  # sampling and acceptance in fp32 whatever the rollout dtype
@@ -290,6 +294,14 @@ class RolloutEngine(TunerState):
             st.select(torch.nonzero(~done).squeeze(1))
             if st.size:
                 st.cache.compact()
+
+
+def key_positions(cache: SlotCache, pos: torch.Tensor) -> torch.Tensor:
+    """[B, S+Q] RoPE position of every key slot of a forward: the cache's valid slots hold positions
+    0, 1, ... in slot order (left padding and rejected drafts are invalid), then the new queries' `pos`."""
+    if cache.valid is None:
+        return pos
+    return torch.cat([cache.valid.long().cumsum(1) - 1, pos], dim=1)
 
 
 class Capture:
