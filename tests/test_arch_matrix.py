@@ -175,4 +175,6 @@ def test_smoke_recipe_runs_every_stage_through_the_export(name, tmp_path):
         assert p.resume() == 0
         p.rl_step(0)
         summary = p.export(p.evaluate(1))
-    assert Path(summary.path) == tmp_path / "export" and check_export(summary.path, p.model.config) == []
+    folder = Path(summary.path)  # the run's model folder: policy/ + drafter/ (tlt.model_folder)
+    assert folder == tmp_path / "export" and check_export(folder / "drafter", p.model.config) == []
+    assert (folder / "policy" / "config.json").is_file()

@@ -153,6 +153,8 @@ ALLOWED = {
     ("tlt/rollout/spec.py", "tree_from_nodes"): HOST + " (moved with .to(device) at the end)",
     ("tlt/rollout/vllm_backend.py", "kv_cache_budget_mib"): "an empty tensor read for its element size only",
     ("tlt/drafter/accept_eval.py", "_pad"): HOST + " (moved with .to(dev) at the end)",
+    ("tlt/rollout/vllm_ext.py", "TltWorkerExtension.tlt_expand_probe"): "a probe of vLLM's CPU sampler fallback "
+                                                                         "(run on the CPU platform only)",
     ("tlt/drafter/buffer.py", "DraftBuffer.batches"): "a shuffle seed drawn from a CPU generator",
     ("tlt/drafter/buffer.py", "DraftBuffer.token_counts"): "counts over the CPU buffer",
     ("tlt/drafter/model.py", "RMSNorm.__init__"): "module construction: builders move the module (.to(device))",

@@ -126,8 +126,11 @@ class _Alternate:
         self.i += 1
         return self.arms[self.i % len(self.arms)]
 
-    def update(self, *a):
+    def update(self, *a, **kw):
         pass
+
+    def regret_stats(self):
+        return {}
 
     def bucket_of(self, batch_size):
         return 0
