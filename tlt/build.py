@@ -104,10 +104,6 @@ def build_updater(model, cfg: RunConfig, pool) -> Updater:
     return pool.updater if cfg.cluster.backend == "ray" else make_updater(model, cfg)
 
 
-def drafter_trainer(model, drafter, cfg: RunConfig) -> DrafterTrainer:
-    return DrafterTrainer(drafter, cfg.drafter, model.get_output_embeddings().weight)
-
-
 def build_refresher(cfg: RunConfig, model, drafter, trainer: DrafterTrainer, run_dir: Path) -> Refresher:
     """Spot trainer (drafter training in the rollout's tail, its own process) or the sequential
     refresher, continuing `trainer`'s optimizer."""
