@@ -96,16 +96,18 @@ def test_a_rollout_actor_killed_mid_step_is_survived(runs, tmp_path):
 
 
 def test_a_run_killed_in_its_update_resumes_on_ray(prefect_api, tmp_path):
-    """SIGKILL of the driver in step 1's policy update (its Ray instance dies with it); `--resume`
-    starts a new Ray instance, new trainer ranks load both ranks' ZeRO-2 optimizer state from
-    checkpoint 0, and the run ends FINISHED in the same MLflow run."""
+    """SIGKILL of the driver in RL step 2's policy update (`update:1`: faults take the 0-based step
+    index; its Ray instance dies with it); `--resume` starts a new Ray instance, new trainer ranks
+    load both ranks' ZeRO-2 optimizer state from checkpoint step-000001, and the run ends FINISHED
+    in the same MLflow run."""
     api = prefect_api_url()
     assert _crash(tmp_path, api, RAY, "update:1") == -9  # SIGKILL
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     rid = _only_run_id(uri)
     resumed = _run(tmp_path, api, RAY, resume=rid, log=tmp_path / "resume.log")
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    assert re.findall(r"resumed from checkpoint step-\d+: next RL step (\d+)", resumed.stdout) == ["1"]
+    assert re.findall(r"resumed from checkpoint step-(\d+) \(1 RL step done\): next RL step (\d+)",
+                      resumed.stdout) == [("000001", "2")]
     run = read_run(rid, uri)
     assert run["status"] == "FINISHED" and _only_run_id(uri) == rid
     assert [s for s, _ in metric_history(rid, "policy/loss", uri)] == [1, 2]

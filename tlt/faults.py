@@ -1,7 +1,8 @@
 """Fault injection for crash tests: a no-op unless `TLT_FAULT` is set.
 
-`TLT_FAULT=<point>:<step>[:raise][,...]`, e.g. `TLT_FAULT=update:2` SIGKILLs this process when RL
-step 2 reaches its policy update (no cleanup, no atexit: what a crash or an OOM kill looks like);
+`TLT_FAULT=<point>:<step>[:raise][,...]`, <step> the 0-based step index the flow passes (RL step
+<step> + 1 in log lines and checkpoint folders), e.g. `TLT_FAULT=update:2` SIGKILLs this process
+when RL step 3 reaches its policy update (no cleanup, no atexit: what a crash or an OOM kill looks like);
 `update:1:raise` raises `InjectedFault` there once per process instead (a retried flow then gets
 past it). Points: rollout, update, refresh, checkpoint (inside a save, before the atomic rename),
 checkpointed (after the save, before the step's metrics are logged), spot (in the spot trainer's
