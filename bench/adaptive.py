@@ -16,9 +16,9 @@ import harness
 from tlt.drafter.accept_eval import accept_ratio_ci, evaluate_drafter
 from tlt.drafter.refresh import DrafterRefresher
 from tlt.drafter.train import DrafterTrainer
-from tlt.export import export_eagle3
+from tlt.drafter.eagle3 import export_eagle3
 from tlt.plots import accept_vs_drift
-from tlt.warmstart import corpus_samples, heldout_accept
+from tlt.distill import corpus_samples, heldout_accept
 
 DEPTH = 4
 ARMS = ("frozen", "adaptive", "control")

@@ -87,7 +87,7 @@ def config(args, *extra: str, base: tuple = ()):
 def heldout_prompts(cfg, tokenizer, n: int | None = None) -> list[list[int]]:
     """The config's held-out prompts rendered as the pipeline renders them: all, or n (cycling)."""
     from tlt.build import encoder
-    from tlt.data import load_dataset
+    from tlt.prompts import load_dataset
 
     held = load_dataset(cfg.data, tokenizer).heldout["prompt"].tolist()
     return encoder(tokenizer, cfg)([held[i % len(held)] for i in range(n or len(held))])

@@ -10,7 +10,7 @@ import torch
 
 import harness
 from tlt.build import encoder
-from tlt.data import load_dataset
+from tlt.prompts import load_dataset
 from tlt.models import eos_token_ids, load_target
 from tlt.rl.logprobs import make_batch
 from tlt.rl.rewards import checked_rewards, get_reward_fn

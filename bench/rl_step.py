@@ -17,7 +17,7 @@ from pathlib import Path
 
 import harness
 from harness import mean_excluding_first, parity
-from tlt.data import render_prompt
+from tlt.prompts import render_prompt
 from tlt.models import bundled_smollm2_dir, load_tokenizer
 from tlt.rl.sampler import PromptSampler
 

@@ -9,15 +9,15 @@ import torch
 
 import harness
 from tlt.corpus import vocab_coverage
-from tlt.data import prompt_ids
+from tlt.prompts import prompt_ids
 from tlt.errors import UserError
-from tlt.export import load_eagle3
-from tlt.inputs import check_run_inputs
+from tlt.drafter.eagle3 import load_eagle3
+from tlt.preflight import check_run_inputs
 from tlt.metrics import rollout_metrics
 from tlt.models import eos_token_ids, load_target
 from tlt.precision import resolve_run
 from tlt.rollout import RolloutEngine, StrategyTuner
-from tlt.warmstart import heldout_accept
+from tlt.rollout.acceptance import heldout_accept
 
 QUESTIONS = ["Explain step by step how to compute 23 * 17.", "Write a short story about a robot who learns to paint.",
     "List the planets of the solar system and one fact about each.", "Explain what a prime number is, with examples.",

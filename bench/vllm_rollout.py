@@ -16,12 +16,12 @@ import torch
 
 import harness
 from tlt.build import encoder
-from tlt.data import load_dataset
+from tlt.prompts import load_dataset
 from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, fit
 from tlt.models import eos_token_ids, load_target
 from tlt.rollout import RolloutEngine, StrategyTuner
-from tlt.rollout.vllm_backend import VllmRolloutEngine
+from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 from tlt.versions import bump
 
 baselines = harness.load("baselines")

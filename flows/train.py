@@ -46,7 +46,7 @@ def tlt_train(config: RunConfig = RunConfig(), resume: str | None = None, retrai
         stages.report(run_id)
         export = None
         if config.export.enabled:
-            export = stages.export_drafter(run_id, final)
+            export = stages.export_model(run_id, final)
             final = final.model_copy(update={"accept_len": export.accept_len,
                                              "accept_len_sampled": export.accept_len_sampled})
             if retrain:

@@ -9,7 +9,6 @@ tasks of one flow run find their run's live pipeline here: `start_run` opens it,
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 from prefect import get_client, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -20,8 +19,7 @@ from prefect.runtime import deployment, flow_run, task_run
 from tlt.config import RunConfig
 from tlt.console import eval_line, step_line
 from tlt.errors import deterministic, exception_chain
-from tlt.inputs import check_run_inputs
-from tlt.export_run import export_checkpoint as export, resolve_checkpoint
+from tlt.preflight import check_run_inputs
 from tlt.pipeline import Pipeline
 from tlt.provenance import source_tags
 from tlt.report import close_report
@@ -150,8 +148,8 @@ def report(run_id: str) -> str:
     return md
 
 
-@task(name="export-drafter", cache_policy=NO_CACHE)
-def export_drafter(run_id: str, final: EvalSummary | None = None) -> ExportSummary:
+@task(name="export-model", cache_policy=NO_CACHE)
+def export_model(run_id: str, final: EvalSummary | None = None) -> ExportSummary:
     s = get_pipeline(run_id).export(final)
     create_markdown_artifact(f"model folder (policy/, drafter/) exported to `{s.path}` (model version {s.version}, "
                              f"held-out accept length (fixed chain) greedy {s.accept_len or 0:.2f}, measured on the "
@@ -205,11 +203,3 @@ def cancel_retries() -> None:
 @task(name="load-checkpoint", cache_policy=NO_CACHE)
 def load_checkpoint(run_id: str, checkpoint: str) -> int:
     return get_pipeline(run_id).load_weights(checkpoint)
-
-
-@task(name="export-checkpoint", cache_policy=NO_CACHE, retries=1)
-def export_checkpoint(out: str, run_id: str | None, checkpoint: str | None, force: bool, checkpoint_root: str) -> dict:
-    ckpt = resolve_checkpoint(run_id, checkpoint, checkpoint_root)
-    path, _, _ = export(ckpt, Path(out), force=force)
-    create_markdown_artifact(f"model folder (policy/, drafter/) of `{ckpt}` exported to `{path}`", key="export")
-    return {"checkpoint": str(ckpt), "path": str(path)}

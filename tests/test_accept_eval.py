@@ -36,7 +36,7 @@ def smollm():
 
 
 def _prompts(tok, n):
-    from tlt.data import prompt_ids
+    from tlt.prompts import prompt_ids
 
     return [prompt_ids(tok, f"What is {a} + {b}?", " Reply with only the final number.", None)
             for a, b in zip(range(1, n + 1), range(n, 0, -1))]
@@ -48,7 +48,8 @@ def test_teacher_forced_equals_measure_accept(smollm):
     drafter is fitted on these very responses, so it accepts far more than 1 token per pass)."""
     from tlt.drafter.model import build_drafter
     from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, fit
-    from tlt.rollout.engine import RolloutEngine, measure_accept
+    from tlt.rollout.acceptance import measure_accept
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     model, tok, eos = smollm
     prompts = _prompts(tok, 8)

@@ -9,17 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tlt import arch
+from tlt import arch, preflight
 from tlt.checkpoint import load_checkpoint, load_pt, save_checkpoint, torch_blob
 from tlt.config import DrafterConfig, ModelConfig, RLConfig, RolloutConfig, SpecStrategy, TrainerConfig
 from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, count_tokens, pack
-from tlt.export import check_export, export_eagle3, load_eagle3
+from tlt.drafter.eagle3 import check_export, export_eagle3, load_eagle3
 from tlt.models import TINY_WINDOW, load_target, tiny_model, tiny_tokenizer
 from tlt.rl.logprobs import forward_logprobs, make_batch
 from tlt.rl.update import PolicyBatch, TorchUpdater
 from tlt.rollout import RolloutEngine
-from tlt.rollout.engine import measure_accept
+from tlt.rollout.acceptance import measure_accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +73,7 @@ def test_in_matrix_and_loads_from_a_folder(row, tmp_path):
     assert type(loaded) is type(model)
     want = model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in loaded.state_dict().items())
-    assert arch.target_config(mcfg).model_type == model.config.model_type
+    assert preflight.target_config(mcfg).model_type == model.config.model_type
 
 
 def test_greedy_sd_equals_plain_equals_transformers(row):
@@ -100,7 +100,7 @@ def test_warm_started_drafter_accepts_more_than_untrained(row):
 
 def test_export_passes_its_checks_and_reloads(row, tmp_path):
     name, model, _, _, trained = row
-    arch.check_drafter_plan(model.config, DrafterConfig(**DRAFT))  # the preflight says yes ...
+    preflight.check_drafter_plan(model.config, DrafterConfig(**DRAFT))  # the preflight says yes ...
     out = export_eagle3(trained, model.config, tmp_path / "eagle3")  # ... and the export agrees
     assert check_export(out, model.config) == []
     back = load_eagle3(out, model)
@@ -159,7 +159,7 @@ def test_smoke_recipe_runs_every_stage_through_the_export(name, tmp_path):
     from pathlib import Path
 
     from tlt.config import load_config
-    from tlt.inputs import check_run_inputs
+    from tlt.preflight import check_run_inputs
     from tlt.pipeline import Pipeline
 
     root = Path(__file__).resolve().parents[1]

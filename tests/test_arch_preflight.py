@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cli_runs import ROOT, cli_env, run_tlt
-from tlt import arch
+from tlt import arch, preflight
 from tlt.config import DrafterConfig, load_config
 from tlt.drafter.model import Eagle3Drafter
 from tlt.errors import UserError, deterministic
@@ -93,15 +93,15 @@ def test_unknown_architecture_refused_with_the_matrix():
 
 def test_drafter_plan_catches_what_the_export_would_refuse_at_the_end(monkeypatch):
     cfg = tiny_config("phi3")
-    arch.check_drafter_plan(cfg, DrafterConfig(draft_vocab_size=64))
+    preflight.check_drafter_plan(cfg, DrafterConfig(draft_vocab_size=64))
     with pytest.raises(arch.ArchError, match="aux_layer_ids"):
-        arch.check_drafter_plan(cfg, DrafterConfig(draft_vocab_size=64, aux_layer_ids=[1, 2, 9]))
-    import tlt.export as export
+        preflight.check_drafter_plan(cfg, DrafterConfig(draft_vocab_size=64, aux_layer_ids=[1, 2, 9]))
+    import tlt.drafter.eagle3 as export
 
     # the bug this preflight would have caught: an export that drops the partial rotary factor
     monkeypatch.setattr(export, "rope_keys", lambda c: ({"rope_theta": 10000.0, "rope_scaling": None}, {}))
     with pytest.raises(arch.ArchError, match="RoPE .*differs"):
-        arch.check_drafter_plan(cfg, DrafterConfig(draft_vocab_size=64))
+        preflight.check_drafter_plan(cfg, DrafterConfig(draft_vocab_size=64))
 
 
 def test_vllm_support_is_listed_with_reasons():
@@ -181,7 +181,7 @@ def test_real_gemma3_and_phi4_mini_configs_pass_the_preflight():
                      original_max_position_embeddings=4096, partial_rotary_factor=0.75, tie_word_embeddings=True,
                      rope_scaling={"type": "longrope", "long_factor": [1.5] * 48, "short_factor": [1.0] * 48})
     for config in (gemma, phi):
-        arch.check_drafter_plan(config, DrafterConfig(draft_vocab_size=8192))
+        preflight.check_drafter_plan(config, DrafterConfig(draft_vocab_size=8192))
     assert arch.drafter_rope(gemma)["rope_theta"] == gemma.rope_parameters["full_attention"]["rope_theta"]
     assert arch.drafter_rope(phi)["rope_type"] == "longrope"
 
@@ -189,7 +189,7 @@ def test_real_gemma3_and_phi4_mini_configs_pass_the_preflight():
 def test_large_vocabulary_maps_and_export(tmp_path):
     """A 262k vocabulary (Gemma 3) reduced to 2048 draft ids: the maps pick the most frequent ids, the
     export passes its checks and reloads."""
-    from tlt.export import check_export, export_eagle3
+    from tlt.drafter.eagle3 import check_export, export_eagle3
 
     cfg = tiny_config("gemma3", vocab=262144, hidden=64)
     drafter = Eagle3Drafter(cfg, torch.randn(262144, 64) * 0.02, 2048)

@@ -81,7 +81,7 @@ def test_export_into_non_empty_dir_refused_before_training(prefect_api, tmp_path
 def test_drafter_for_another_target_refused(tmp_path, hidden, vocab, words):
     from tlt.config import DrafterConfig
     from tlt.drafter.model import build_drafter
-    from tlt.export import export_eagle3
+    from tlt.drafter.eagle3 import export_eagle3
     from tlt.models import tiny_model
 
     other = tiny_model("llama", layers=4, hidden=hidden, vocab=vocab, seed=0)

@@ -43,7 +43,7 @@ def test_trl_batching_consumes_one_tlt_step():
 
 def test_trl_prompts_follow_tlt_sampler_and_template(tmp_path):
     from tlt.config import load_config
-    from tlt.data import render_prompt
+    from tlt.prompts import render_prompt
     from tlt.models import load_tokenizer
     from tlt.pipeline import Pipeline
 
@@ -143,7 +143,7 @@ def test_sd_needs_fewer_target_forwards_with_a_trained_drafter():
     from tlt.drafter.model import build_drafter
     from tlt.drafter.train import DrafterTrainer, collect_samples, fit
     from tlt.models import tiny_model
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     old_threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -7,7 +7,7 @@ from bench_scripts import load_bench
 
 from tlt.config import load_config
 from tlt.drafter.model import build_drafter
-from tlt.export import export_eagle3
+from tlt.drafter.eagle3 import export_eagle3
 from tlt.models import load_target
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import pytest
 
 from cli_runs import ROOT, cli_env, run_tlt
 from tlt.config import load_config
-from tlt.export import check_export
+from tlt.drafter.eagle3 import check_export
 from tlt.models import load_target
 
 

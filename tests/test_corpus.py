@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from tlt.config import DrafterConfig, RolloutConfig, SpecStrategy, load_config
-from tlt.data import load_dataset, prompt_ids
+from tlt.prompts import load_dataset, prompt_ids
 from tlt.corpus import build_corpus, vocab_coverage
 from tlt.drafter.model import build_drafter
 from tlt.drafter.train import DrafterTrainer, collect_samples, pack
 from tlt.models import eos_token_ids, load_target
 from tlt.rollout import RolloutEngine, StrategyTuner
-from tlt.rollout.engine import measure_accept
+from tlt.rollout.acceptance import measure_accept
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -163,7 +163,7 @@ def test_engines_without_capture_build_a_corpus_without_features(setup, tmp_path
 
 def test_corpus_samples_one_per_sequence(setup, tmp_path):
     """Captured features are used as they are: one sample per corpus sequence, no re-forward added."""
-    from tlt.warmstart import corpus_samples
+    from tlt.distill import corpus_samples
 
     cfg, model, tok, ds, eng, enc = setup
     c = build_corpus(eng, enc, cfg, ds.train["prompt"].tolist(), ds.heldout["prompt"].tolist(), tmp_path, "fp",

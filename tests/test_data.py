@@ -12,7 +12,7 @@ from pandera.errors import SchemaErrors
 import reasoning_gym as rg
 
 from tlt.config import DataConfig, GeneratorSpec
-from tlt.data import (BadRow, DataError, generate_rows, load_dataset, prompt_ids, read_rows, render_prompt,
+from tlt.prompts import (BadRow, DataError, generate_rows, load_dataset, prompt_ids, read_rows, render_prompt,
                       rg_entry, split_rows, validate_file, validate_rows)
 from tlt.models import tiny_tokenizer
 from tlt.schemas import PROMPT_COLUMNS, PromptSchema, RolloutSchema, rollout_table

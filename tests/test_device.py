@@ -145,15 +145,15 @@ HOST = "host-side buffer, filled on the CPU and moved (or read) where it is used
 # (file, function): why its factories may take the default (CPU) device. A new call elsewhere must
 # pass device= (or be a *_like / new_* call); an entry whose function no longer has one must go.
 ALLOWED = {
-    ("tlt/rollout/calibrate.py", "Calibrator.__init__"): "acceptance statistics kept on the CPU (inputs .cpu()'d)",
-    ("tlt/rollout/calibrate.py", "Calibrator.update"): "acceptance statistics kept on the CPU (inputs .cpu()'d)",
-    ("tlt/rollout/engine.py", "RolloutEngine._prefill"): "a prompt row copied into a device tensor by slice assignment",
-    ("tlt/rollout/engine.py", "Capture.add_prompts"): "captured features gathered on the CPU (.cpu() per step)",
+    ("tlt/rollout/torch_engine/calibrate.py", "Calibrator.__init__"): "acceptance statistics kept on the CPU (inputs .cpu()'d)",
+    ("tlt/rollout/torch_engine/calibrate.py", "Calibrator.update"): "acceptance statistics kept on the CPU (inputs .cpu()'d)",
+    ("tlt/rollout/torch_engine/engine.py", "RolloutEngine._prefill"): "a prompt row copied into a device tensor by slice assignment",
+    ("tlt/rollout/torch_engine/engine.py", "Capture.add_prompts"): "captured features gathered on the CPU (.cpu() per step)",
     ("tlt/rollout/guard.py", "probe_inputs"): "the probe is saved to a file for vLLM; probe_logits moves it",
-    ("tlt/rollout/spec.py", "tree_from_nodes"): HOST + " (moved with .to(device) at the end)",
-    ("tlt/rollout/vllm_backend.py", "kv_cache_budget_mib"): "an empty tensor read for its element size only",
+    ("tlt/rollout/torch_engine/spec.py", "tree_from_nodes"): HOST + " (moved with .to(device) at the end)",
+    ("tlt/rollout/vllm_engine/backend.py", "kv_cache_budget_mib"): "an empty tensor read for its element size only",
     ("tlt/drafter/accept_eval.py", "_pad"): HOST + " (moved with .to(dev) at the end)",
-    ("tlt/rollout/vllm_ext.py", "TltWorkerExtension.tlt_expand_probe"): "a probe of vLLM's CPU sampler fallback "
+    ("tlt/rollout/vllm_engine/vllm_ext.py", "TltWorkerExtension.tlt_expand_probe"): "a probe of vLLM's CPU sampler fallback "
                                                                          "(run on the CPU platform only)",
     ("tlt/drafter/buffer.py", "DraftBuffer.batches"): "a shuffle seed drawn from a CPU generator",
     ("tlt/drafter/buffer.py", "DraftBuffer.token_counts"): "counts over the CPU buffer",

@@ -93,7 +93,7 @@ def test_eos_inside_drafts_and_max_new(model):
 
 def _exact_joint(model, prompt, temperature, top_p, n_tokens=2):
     """Exact probability of every n_tokens continuation under top-p(softmax(logits / T))."""
-    from tlt.rollout.sampling import target_probs
+    from tlt.rollout.torch_engine.sampling import target_probs
     vocab = model.config.vocab_size
     seqs, probs = [[]], torch.ones(1)
     with torch.no_grad():
@@ -195,7 +195,7 @@ def test_plain_strategy_needs_both_zero():
 
 def _exact_joint_eos(model, prompt, temperature, n_tokens, eos):
     """Exact probability of every response of at most n_tokens that stops at `eos` (top_p 1)."""
-    from tlt.rollout.sampling import target_probs
+    from tlt.rollout.torch_engine.sampling import target_probs
     live, mass, final = [()], torch.ones(1), {}
     with torch.no_grad():
         for _ in range(n_tokens):
@@ -261,8 +261,9 @@ def test_sampled_chain_with_drafter_q_is_exact(temperature):
 def test_chain_acceptance_rate_is_one_minus_tv():
     """One draft x ~ q: the q rule accepts with rate sum(min(p, q)) = 1 - TV(p, q), above the point-mass
     rate sum(q * p) when q is close to p; the bonus after a rejection follows norm(max(0, p - q))."""
-    from tlt.rollout.spec import DraftTree, accept_chain_sampled
-    from tlt.rollout.sampling import draw, reject_siblings
+    from tlt.rollout.torch_engine.draft import DraftTree
+    from tlt.rollout.torch_engine.spec import accept_chain_sampled
+    from tlt.rollout.torch_engine.sampling import draw, reject_siblings
 
     g = torch.Generator().manual_seed(0)
     V, B = 6, 200_000
@@ -284,7 +285,7 @@ def test_chain_acceptance_rate_is_one_minus_tv():
 
 
 def test_calibrator_learns_acceptance_per_depth_and_bin():
-    from tlt.rollout.calibrate import Calibrator
+    from tlt.rollout.torch_engine.calibrate import Calibrator
 
     c = Calibrator(max_depth=4, bins=10)
     assert c.acceptance(0, torch.tensor([0.95])).item() == pytest.approx(0.95)  # prior: the raw probability

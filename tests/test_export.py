@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 from tlt.config import DrafterConfig
 from tlt.drafter.model import build_drafter
-from tlt.export import ExportError, check_export, expected_shapes, export_eagle3, load_eagle3
+from tlt.drafter.eagle3 import ExportError, check_export, expected_shapes, export_eagle3, load_eagle3
 from tlt.models import tiny_model
 
 SPEC_KEYS = {

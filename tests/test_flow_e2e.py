@@ -85,7 +85,7 @@ def test_run_tags_and_headline(runs):
 def test_every_stage_tracked(runs):
     from prefect.artifacts import Artifact
 
-    from tlt.export import check_export
+    from tlt.drafter.eagle3 import check_export
     from tlt.models import load_target
 
     uri, cfg, result = runs["uri"], runs["cfgs"][0], runs["results"][0]

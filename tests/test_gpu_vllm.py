@@ -27,7 +27,7 @@ def _cfg(**vllm) -> RolloutConfig:
 
 
 def _engine(model, tmp_path, **vllm):
-    from tlt.rollout.vllm_backend import VllmRolloutEngine
+    from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 
     try:
         return VllmRolloutEngine(model, _cfg(**vllm), [2], 0, tokenizer=tiny_tokenizer(), run_dir=tmp_path,

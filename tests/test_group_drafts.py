@@ -8,10 +8,10 @@ from tlt.drafter.model import build_drafter
 from tlt.metrics import rollout_metrics
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine, StrategyTuner
-from tlt.rollout.engine import measure_accept
-from tlt.rollout.ngram import NgramDrafter, PromptHistory
-from tlt.rollout.spec import spec_round
-from tlt.rollout.state import Outputs
+from tlt.rollout.acceptance import measure_accept
+from tlt.rollout.torch_engine.ngram import NgramDrafter, PromptHistory
+from tlt.rollout.torch_engine.spec import spec_round
+from tlt.rollout.torch_engine.state import Outputs
 
 NGRAM4 = SpecStrategy(depth=4, topk=1, tokens=4, source="ngram")
 EAGLE3 = SpecStrategy(depth=3, topk=1, tokens=3)
@@ -111,7 +111,7 @@ def test_group_references_reach_the_lookup(model):
     outs.done[1] = True
     eng._retire(st, outs)
     assert st.rows.tolist() == [0]
-    produced = spec_round(eng, st, NGRAM4, opts, gen, outs)
+    produced = spec_round(eng.round_parts(), st, NGRAM4, opts, gen, outs)
     assert produced == 5 and outs.tok[0, :5].tolist() == full[:5]
     assert outs.stats.ngram_tokens == 5
 
@@ -153,7 +153,7 @@ def test_mixed_rounds_keep_the_drafter_fed_and_are_lossless(model):
     gen = torch.Generator().manual_seed(0)
     st = eng._prefill(prompts, 1, opts, gen, outs, keep_aux=True)
     for k in range(4):
-        spec_round(eng, st, [EAGLE3, NGRAM4][k % 2], opts, gen, outs)
+        spec_round(eng.round_parts(), st, [EAGLE3, NGRAM4][k % 2], opts, gen, outs)
         fed = (st.dvalid.sum(1) if st.dvalid is not None else 0) + st.pending[3].sum(1)
         assert fed.tolist() == st.pos.tolist()
     assert outs.stats.ngram_row_passes > 0

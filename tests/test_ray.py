@@ -15,7 +15,7 @@ from tlt.config import ClusterConfig, DrafterConfig, RLConfig, RolloutConfig, Sp
 from tlt.drafter.model import build_drafter  # noqa: E402
 from tlt.models import tiny_model  # noqa: E402
 from tlt.rl.logprobs import forward_logprobs, make_batch  # noqa: E402
-from tlt.rl.protocols import Engine  # noqa: E402
+from tlt.rollout.contract import Engine  # noqa: E402
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch  # noqa: E402
 from tlt.rollout import RolloutEngine  # noqa: E402
 from tlt.versions import bump, version_of  # noqa: E402
@@ -87,7 +87,7 @@ def test_actors_match_the_local_engine_and_report_the_new_version(setup):
 def test_pool_contract_capabilities_state_and_no_fixed_strategy(setup):
     """The pool reports its actors' torch engines' capabilities (trees, no bandit: tuner off), keeps
     no checkpoint state in the driver, and a fixed-strategy measurement raises with the reason."""
-    from tlt.rollout.capabilities import EngineCapabilityError
+    from tlt.rollout.contract import EngineCapabilityError
 
     pool = setup[3]
     caps = pool.capabilities

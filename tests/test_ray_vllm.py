@@ -30,7 +30,7 @@ from tlt.config import ClusterConfig, DrafterConfig, RolloutConfig, SpecStrategy
 from tlt.drafter.model import build_drafter  # noqa: E402
 from tlt.models import tiny_model, tiny_tokenizer  # noqa: E402
 from tlt.versions import bump  # noqa: E402
-from tlt.rollout.vllm_backend import VllmRolloutEngine  # noqa: E402
+from tlt.rollout.vllm_engine.backend import VllmRolloutEngine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"

@@ -210,7 +210,7 @@ def test_engine_bandit_round_trips_through_a_checkpoint(tmp_path):
     from tlt.config import RolloutConfig
     from tlt.models import tiny_model
     from tlt.rl.resume import engine_state, restore_run_state, save_run_state
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
     from tlt.rollout.tuner import StrategyTuner
 
     torch.manual_seed(0)
@@ -246,7 +246,7 @@ def test_optimizer_state_only_in_the_newest_checkpoint(tmp_path, caplog):
     from tlt.config import RolloutConfig
     from tlt.models import tiny_model
     from tlt.rl.resume import restore_run_state, save_run_state, steps_done
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     model = tiny_model("llama", layers=2, hidden=64, vocab=128)
     engine = RolloutEngine(model, RolloutConfig(max_new_tokens=4), [2], 0)

@@ -4,7 +4,7 @@ from dataclasses import asdict
 import pytest
 
 from tlt.metrics import rollout_metrics
-from tlt.rollout.state import RolloutBatch
+from tlt.rollout.batch import RolloutBatch
 from tlt.rollout.stats import SUMMED, RolloutStats
 
 
@@ -88,7 +88,7 @@ def test_merge_adds_counters_and_keeps_the_longest_times():
 
 def test_vllm_reply_becomes_rollout_stats():
     """The vLLM backend's reply -> RolloutStats (no vLLM needed: `reply_batch` is pure)."""
-    from tlt.rollout.vllm_reply import reply_batch
+    from tlt.rollout.vllm_engine.reply import reply_batch
 
     seqs = [{"ids": [4, 5, 6, 7], "logprobs": [0.0] * 4, "finish": "stop",
              "spec": {"drafts": 2, "draft_tokens": 6, "accepted": 1, "accepted_pos": [1]}},

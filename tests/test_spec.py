@@ -148,7 +148,7 @@ def test_confidence_pruning_verifies_fewer_tokens(models, trained_drafter):
 
 
 def test_prune_tree_drops_columns_and_remaps_parents():
-    from tlt.rollout.spec import DraftTree, prune_tree
+    from tlt.rollout.torch_engine.draft import DraftTree, prune_tree
 
     t = torch.tensor
     #          node:  1   2   3   4      (parents: 1<-root, 2<-1, 3<-root, 4<-3)

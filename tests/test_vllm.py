@@ -119,7 +119,7 @@ def _run_check(target_dir: Path, drafter_dir: Path, prompts: list[list[int]], tm
 
 
 def _export_and_run(arch: str, tmp: Path, draft_vocab: int = 256, train_steps: int = 150) -> tuple:
-    from tlt.export import export_eagle3
+    from tlt.drafter.eagle3 import export_eagle3
     from tlt.models import tiny_model, tiny_tokenizer
 
     target = tiny_model(arch, layers=6, hidden=128, vocab=512, seed=0)
@@ -187,7 +187,7 @@ def test_bench_vllm_accept_end_to_end(tmp_path):
 
     from tlt.config import DrafterConfig
     from tlt.drafter.model import build_drafter
-    from tlt.export import export_eagle3
+    from tlt.drafter.eagle3 import export_eagle3
     from tlt.models import tiny_model, tiny_tokenizer
 
     target = tiny_model("llama", layers=4, hidden=128, vocab=512, seed=0)

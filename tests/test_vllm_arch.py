@@ -64,7 +64,7 @@ def _run_spec_only(target_dir, drafter_dir, prompts, tmp) -> dict:
 
 
 def _save(target, drafter, tmp) -> None:
-    from tlt.export import export_eagle3
+    from tlt.drafter.eagle3 import export_eagle3
     from tlt.models import tiny_tokenizer
 
     target.save_pretrained(tmp / "target")

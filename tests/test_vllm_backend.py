@@ -1,5 +1,5 @@
-"""`rollout.backend: vllm`: VllmRolloutEngine (tlt/rollout/vllm_backend.py) over the worker process
-(tlt/rollout/vllm_worker.py under .venv-vllm; `bash bench/vllm_venv.sh`). One worker is shared by
+"""`rollout.backend: vllm`: VllmRolloutEngine (tlt/rollout/vllm_engine/backend.py) over the worker process
+(tlt/rollout/vllm_engine/vllm_worker.py under .venv-vllm; `bash bench/vllm_venv.sh`). One worker is shared by
 the module (a start costs ~6-10 s on 2 cores, the first calls more). Asserts, in fp32 on tiny targets:
   - greedy outputs and their log-probs equal the torch RolloutEngine's on the same prompts;
   - group_size n gives len(prompts) * n sequences, group-major; sampled log-probs are
@@ -99,7 +99,7 @@ def _accepts_vs_replay(target, drafter, engine, prompts) -> tuple[float, float]:
 
 
 def _torch_greedy(model, prompts, max_new=MAX_NEW, eos=EOS):
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     eng = RolloutEngine(model, _rollout_cfg(spec=False), eos, pad_id=0)
     return eng.generate(prompts, max_new_tokens=max_new, temperature=0.0, spec=False)
@@ -110,7 +110,7 @@ def setup(tmp_path_factory):
     from tlt.config import DrafterConfig
     from tlt.drafter.model import build_drafter
     from tlt.models import tiny_tokenizer
-    from tlt.rollout.vllm_backend import VllmRolloutEngine
+    from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 
     target, prompts = _tied_target(), _prompts()
     torch.manual_seed(0)
@@ -160,7 +160,7 @@ def test_groups_are_group_major_and_logprobs_raw(setup):
 def test_tail_event_matches_torch_engine(setup):
     """on_tail fires once, when <= spec_threshold sequences still run, at the same count as in
     the torch engine (greedy: same tokens, so the same sequences stop at the same steps)."""
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     target, _, engine, prompts = setup
     ref = _torch_greedy(target, prompts).response_ids
@@ -255,7 +255,7 @@ def _few_long(target, n_prompts: int, n_long: int) -> tuple[list[list[int]], lis
 
 
 def test_tail_switch_drafts_only_in_the_tail(setup):
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     target, _, engine, _ = setup
     t = engine.cfg.spec_threshold
@@ -330,7 +330,7 @@ def test_sampled_calls_speculate_on_the_cpu_build(setup):
 
 def test_missing_vllm_python_is_a_user_error(tmp_path):
     from tlt.errors import UserError
-    from tlt.rollout.vllm_backend import vllm_python
+    from tlt.rollout.vllm_engine.backend import vllm_python
 
     with pytest.raises(UserError, match="bench/vllm_venv.sh"):
         vllm_python(tmp_path / "nope" / "python")
@@ -339,7 +339,7 @@ def test_missing_vllm_python_is_a_user_error(tmp_path):
 def test_pipeline_smoke_rl_step_with_vllm(tmp_path):
     from tlt.config import load_config
     from tlt.pipeline import Pipeline
-    from tlt.rollout.vllm_backend import VllmRolloutEngine
+    from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 
     cfg = load_config(ROOT / "conf" / "smoke.yaml", [f"trainer.checkpoint_dir={tmp_path}", "rollout.backend=vllm",
                                                       f"model.cache_dir={tmp_path / 'models'}"])
@@ -394,7 +394,7 @@ def test_worker_removes_its_weights_folder_when_the_parent_is_gone(tmp_path):
     the worker ends and removes the weights folder it was given, so /dev/shm does not fill up."""
     import subprocess
 
-    from tlt.rollout.vllm_backend import WORKER
+    from tlt.rollout.vllm_engine.backend import WORKER
 
     work = tmp_path / "tlt-vllm-test"
     (work / "policy-00001").mkdir(parents=True)

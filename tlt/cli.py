@@ -25,10 +25,10 @@ from tlt.cli_export import export
 from tlt.cli_help import HELP, plain_arguments
 from tlt.console import closing_lines, starting_line
 from tlt.errors import UserError, exception_chain
-from tlt.inputs import (check_data_file, check_empty_target, check_prompts, check_run_inputs, finished_run,
-                        resolve_run_id)
+from tlt.inputs import check_data_file, check_empty_target, finished_run, resolve_run_id
+from tlt.preflight import check_prompts, check_run_inputs
 from tlt.provenance import version_line
-from tlt.services import run_uis
+from tlt.services import env_defaults, run_uis
 
 app = typer.Typer(add_completion=False, help="TLT: RL with speculative rollout and an adaptive drafter.", **HELP)
 config_app = typer.Typer(help="Check and show run configs.", **HELP)
@@ -58,16 +58,6 @@ def _version(value: bool) -> None:
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="Print the tlt version (and git commit) and exit.")) -> None:
     """TLT: RL with speculative rollout and an adaptive drafter."""
-
-
-def _env_defaults() -> None:
-    """Offline by default; Prefect and caches live in the project folder."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("PREFECT_HOME", str(Path(".prefect").resolve()))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
 
 
 def _load(config: Path | None, overrides: list[str] | None):
@@ -130,7 +120,7 @@ def data_validate(path: Path = typer.Argument(..., metavar="PATH", show_default=
     check_data_file(path)
     cfg = _load(config, set_)
     check_run_inputs(cfg.model_copy(update={"data": cfg.data.model_copy(update={"path": None})}))
-    from tlt.data import validate_file  # deferred: pandas, reasoning-gym
+    from tlt.prompts import validate_file  # deferred: pandas, reasoning-gym
     from tlt.models import load_tokenizer  # deferred: torch, transformers
 
     report = validate_file(path, tokenizer=load_tokenizer(cfg.model), max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -176,7 +166,7 @@ def run(config: Path = ConfigArg, set_: Optional[list[str]] = SetOpt,
                                              help="MLflow run id (or a unique prefix) to continue")) -> None:
     """Run the tlt-train flow on CONFIG."""
     cfg = _load(config, set_)
-    _env_defaults()
+    env_defaults()
     if resume:  # a finished run first: its export folder is full, and that is no error here
         resume = resolve_run_id(resume, cfg.tracking.tracking_uri, "--resume")
         if msg := finished_run(resume, cfg.tracking.tracking_uri):
@@ -247,11 +237,11 @@ def drafter_warmstart(config: Path, set_: Optional[list[str]] = SetOpt,
                                                             "--drafter, or vLLM)"),
                       force: bool = typer.Option(False, "--force", help="Replace a non-empty --export directory")) -> None:
     """Warm-start the drafter on target responses; prints accept length before and after."""
-    from tlt.export import export_eagle3  # deferred: torch
+    from tlt.drafter.eagle3 import export_eagle3  # deferred: torch
     from tlt.pipeline import Pipeline  # deferred: torch, transformers
 
     cfg = _load(config, set_)
-    _env_defaults()
+    env_defaults()
     check_run_inputs(cfg)
     if export is not None and not force:
         check_empty_target(export, "--export", "pass --force to replace it")
@@ -293,7 +283,7 @@ def compare(run_ids: Optional[list[str]] = typer.Argument(None, metavar="RUN_ID.
 def deploy(config: Path = DeployConfigArg, set_: Optional[list[str]] = SetOpt) -> None:
     """Register tlt-train/manual and tlt-train/retrain (cron from deploy.cron) with the Prefect API."""
     cfg = _load(config, set_)
-    _env_defaults()
+    env_defaults()
     check_run_inputs(cfg)
     ids = importlib.import_module("flows.deploy").apply_deployments(cfg)
     out.print(f"registered tlt-train/manual and tlt-train/retrain (cron '{cfg.deploy.cron}'): {', '.join(ids)}")
@@ -306,7 +296,7 @@ def schedule(config: Path = DeployConfigArg, set_: Optional[list[str]] = SetOpt,
     """Register the deployments and execute their runs here: those triggered from the Prefect UI and
     those of the cron schedule (deploy.cron). Runs until stopped."""
     cfg = _load(config, set_)
-    _env_defaults()
+    env_defaults()
     check_run_inputs(cfg)
     importlib.import_module("flows.deploy").serve_deployments(cfg, limit=limit)
 
@@ -324,7 +314,7 @@ def serve(config: Path = DeployConfigArg, set_: Optional[list[str]] = SetOpt,
 def ui(prefect_port: int = typer.Option(4200, metavar="PORT"), mlflow_port: int = typer.Option(5000, metavar="PORT"),
        host: str = typer.Option("127.0.0.1", metavar="HOST")) -> None:
     """Start the Prefect server and the MLflow UI (Ctrl-C or SIGTERM stops both)."""
-    _env_defaults()
+    env_defaults()
     run_uis(host, prefect_port, mlflow_port)
 
 

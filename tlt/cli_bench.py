@@ -41,9 +41,9 @@ def bench_list() -> None:
 
 def _bench_command(name: str):
     def command(ctx: typer.Context) -> None:
-        from tlt.cli import _env_defaults  # the shared defaults (offline, project-local caches)
+        from tlt.services import env_defaults  # the shared defaults (offline, project-local caches)
 
-        _env_defaults()
+        env_defaults()
         sys.path.insert(0, str(BENCH_DIR))
         harness = importlib.import_module("harness")  # deferred: numpy, and the suites pull in torch
         harness.load(name).main(list(ctx.args))

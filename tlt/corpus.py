@@ -27,8 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tlt.atomic import write_file
-from tlt.data import generate_rows
-from tlt.rollout.engine import RolloutEngine
+from tlt.prompts import generate_rows
 
 CORPUS_SEED_OFFSET = 7919  # the corpus' generator seed = data.seed + this (never the training split's seed)
 
@@ -112,8 +111,9 @@ def build_corpus(engine, encode: Callable[[list[str]], list[list[int]]], cfg, tr
         return Corpus([list(map(int, x)) for x in df["prompt_ids"]], [list(map(int, x)) for x in df["response_ids"]],
                       [float(x) for x in df["temperature"]], key, path, time.perf_counter() - t0, cached=True)
 
-    # Only the in-process torch engine records features; others (vLLM, workers): warm-start re-forwards.
-    extra = {"capture": capture} if capture is not None and isinstance(engine, RolloutEngine) else {}
+    # Engines that capture (the in-process torch engine) record features; others (vLLM, workers):
+    # warm-start re-forwards.
+    extra = {"capture": capture} if capture is not None and engine.capabilities.capture else {}
     prompts, responses, temps, feats = [], [], [], []
     seen: set[str] = set()
     stream = texts()

@@ -8,12 +8,13 @@ from typing import Callable
 
 import pandas as pd
 
-from tlt.arch import require_vllm_eagle3, target_config
+from tlt.arch import require_vllm_eagle3
+from tlt.preflight import target_config
 from tlt.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from tlt.config import load_config
 from tlt.drafter.model import build_drafter
 from tlt.errors import UserError
-from tlt.export import ExportError
+from tlt.drafter.eagle3 import ExportError
 from tlt.models import eos_token_ids, load_target
 from tlt.rl.resume import steps_done
 from tlt.stages.export import base_figures, write_and_measure

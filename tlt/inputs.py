@@ -3,7 +3,7 @@
 `check_run_inputs` runs ahead of the Prefect server, the MLflow run, worker processes and Ray,
 so a typo costs a second and leaves nothing behind (no FAILED run in the store, no run folder).
 Each check raises a `UserError` whose message names the value and the fix. The loaders that
-read these paths later (tlt.models, tlt.data) use the same checks, so the two never disagree.
+read these paths later (tlt.models, tlt.prompts) use the same checks, so the two never disagree.
 
 Only cheap imports live here: run ids are looked up through tlt.tracking (no run is started),
 models and data files are checked on disk without reading a weight or a row.
@@ -178,34 +178,6 @@ def check_device(cfg) -> None:
                         "variable DS_ACCELERATOR=cpu for the run, or trainer.device: auto (the update on the GPU).")
 
 
-def check_run_inputs(cfg, resume: str | None = None) -> str | None:
-    """Every id, path and name of a run config (plus `--resume`), before anything starts; returns
-    the full id of the run to resume (a prefix is resolved), or None."""
-    check_model(cfg.model.name_or_path)
-    arch.check_run_target(cfg)
-    check_device(cfg)
-    if cfg.data.path:
-        check_data_file(cfg.data.path)
-    check_folder_target(cfg.trainer.checkpoint_dir, "trainer.checkpoint_dir")
-    e = cfg.export
-    if e.enabled and e.out_dir:
-        check_empty_target(e.out_dir, "export.out_dir", "remove it (`tlt export --force` replaces a directory from "
-                           "a finished run's checkpoint)")
-    if cfg.rl.reward not in ("auto", "math", "reasoning_gym"):
-        from tlt.rl.rewards import get_reward_fn  # imports the user's module: errors name it
-
-        get_reward_fn(cfg.rl.reward)
-    if cfg.rollout.backend == "vllm":
-        from tlt.rollout.vllm_backend import vllm_python  # deferred: torch
-
-        vllm_python()
-    if not resume:
-        return None
-    run_id = resolve_run_id(resume, cfg.tracking.tracking_uri, "--resume")
-    check_resume_config(cfg, run_id)
-    return run_id
-
-
 def check_resume_config(cfg, run_id: str) -> None:
     """A resumed run continues with the settings it started with: MLflow keeps one value per param,
     and the checkpoint holds state shaped by them."""
@@ -220,35 +192,6 @@ def check_resume_config(cfg, run_id: str) -> None:
         raise UserError(f"--resume {run_id}: the run started with other settings ({'; '.join(changed[:5])}"
                         f"{'; ...' if len(changed) > 5 else ''}). Resume with the config it started with (saved as "
                         f"{cfg.trainer.checkpoint_dir}/{run_id}/config.yaml), or start a new run without --resume.")
-
-
-# ---------------------------------------------------------------- prompts and reward, loaded
-def check_prompts(cfg, strict: bool = True) -> str:
-    """Load the model's tokenizer and the run's prompts (data.path or data.generators), validate every
-    row as the data stage will, then score the gold answers with a user reward function. `tlt run`
-    calls it before Prefect and MLflow start, so a bad file or reward stops the command with its
-    paragraph and leaves no run behind; `tlt config check` calls it with `strict` off, where a model
-    this machine does not have (a GPU recipe on a laptop) skips the prompt-length check instead of
-    failing. Returns a one-line summary."""
-    from tlt.data import load_dataset  # deferred: pandas, reasoning-gym
-    from tlt.preflight import check_reward_fn  # deferred: imports the reward functions
-
-    tokenizer = None
-    try:
-        check_model(cfg.model.name_or_path)
-    except ModelError:
-        if strict:
-            raise
-    else:
-        from tlt.models import load_tokenizer  # deferred: torch, transformers
-
-        tokenizer = load_tokenizer(cfg.model)
-    ds = load_dataset(cfg.data, tokenizer)
-    check_reward_fn(cfg, ds.train.head(4))
-    dropped = f", {len(ds.dropped)} invalid rows dropped" if len(ds.dropped) else ""
-    limit = "" if tokenizer is not None else "; prompt lengths not checked (the model is not on this machine)"
-    return (f"{len(ds.train) + len(ds.heldout)} valid prompts from {cfg.data.path or 'data.generators'}{dropped}, "
-            f"reward {cfg.rl.reward}{limit}")
 
 
 def finished_run(run_id: str, uri: str | None = None) -> str | None:

@@ -1,6 +1,6 @@
 """Rollout and speculative-decoding metrics as pure functions: records -> dict[str, float].
 
-Names follow the project's scheme (`rollout/...`, `spec/...`; docs/tracking.md: What a run produces). Input: a `tlt.rollout.state.RolloutBatch`
+Names follow the project's scheme (`rollout/...`, `spec/...`; docs/tracking.md: What a run produces). Input: a `tlt.rollout.torch_engine.state.RolloutBatch`
 (any object with the same fields works; nothing here runs a model) whose `stats` is a
 `tlt.rollout.stats.RolloutStats`; the ratios are its derived properties.
 """
@@ -58,7 +58,7 @@ def rollout_metrics(batch) -> dict[str, float]:
 
     spec/accept_len/mean: the live accept length, tokens per target pass of this rollout's own SD
     rounds (whatever strategies the tuner picked; the reported held-out accept length, eval/accept_len,
-    is tlt.warmstart.heldout_accept's fixed-strategy figure); spec/accept_rate: accepted / drafted
+    is tlt.rollout.acceptance.heldout_accept's fixed-strategy figure); spec/accept_rate: accepted / drafted
     tokens (for trees, drafted counts every verified node); spec/accept_rate/pos_i: share of
     rounds drafting depth i+1 whose draft was accepted down to it; spec/enabled_share: share of
     tokens emitted by SD rounds; spec/ngram_share: share of the SD tokens from n-gram rounds,

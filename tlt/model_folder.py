@@ -2,7 +2,7 @@
 
     <out>/policy/     a `save_pretrained` folder: config.json, generation_config.json, the weights as
                       safetensors in `export.dtype`, the tokenizer with its chat template
-    <out>/drafter/    the EAGLE-3 directory of that policy's drafter (tlt.export)
+    <out>/drafter/    the EAGLE-3 directory of that policy's drafter (tlt.drafter.eagle3)
     <out>/README.md   the `vllm serve` / SGLang commands for these two paths and the figures
     <out>/tlt-model.json   the same figures, machine-readable (the registered version's tags)
 
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from tlt.atomic import staged_dir
 from tlt.drafter.model import rope_parameters
-from tlt.export import ExportError, check_export, export_eagle3, load_eagle3
+from tlt.drafter.eagle3 import ExportError, check_export, export_eagle3, load_eagle3
 from tlt.provenance import git_state, tlt_version
 
 POLICY, DRAFTER, README, FIGURES = "policy", "drafter", "README.md", "tlt-model.json"
@@ -159,7 +159,7 @@ def load_policy_weights(model, policy_dir: str | Path) -> None:
 
 def load_model_folder(folder: str | Path, device: str | torch.device = "cpu"):
     """(policy, tokenizer, drafter) as a server would load them: the policy in its saved dtype,
-    the drafter from its EAGLE-3 directory on that policy (tlt.export.load_eagle3)."""
+    the drafter from its EAGLE-3 directory on that policy (tlt.drafter.eagle3.load_eagle3)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # deferred: transformers
 
     folder = Path(folder)

@@ -1,10 +1,13 @@
 """The stages of one training run, as methods of a `Pipeline` that owns the long-lived parts
 (models, engine, drafter, refresher, rollout pool, optimizer) in this process and closes them.
 
-The parts are made by tlt.build and the stage bodies live in tlt.stages; this module wires them.
-Every method returns what it made (small pydantic summaries, tlt.summaries) instead of leaving it
-on an attribute for the caller to read. Prefect tasks (tasks/stages.py) look a pipeline up by run
-id and call one method each.
+The parts are made by tlt.build, eagerly and in one place per stage that makes them: the dataset by
+`validate_data`, the models, drafter and generation engine by `prepare` (`RunParts`), the drafter's
+refresher by `warmstart`, the RL steps' context by `start_steps`. A stage whose inputs do not
+exist yet refuses with `StageOrderError` naming the stage to run first, instead of running without
+them. The stage bodies live in tlt.stages; this module wires them. Every method returns what it
+made (small pydantic summaries, tlt.summaries). Prefect tasks (tasks/stages.py) look a pipeline up
+by run id and call one method each.
 """
 from __future__ import annotations
 
@@ -20,27 +23,67 @@ from tlt.stages import warmstart as drafting
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 
 
+class StageOrderError(RuntimeError):
+    """A stage was called before the stage that builds its inputs; the message names both."""
+
+
 class Pipeline:
     def __init__(self, cfg: RunConfig, tracker=None, retrain: bool = False):
         self.cfg, self.precision_notes, self.tracker, self.run_dir = build.open_run(cfg, tracker)
         self.retrain = retrain
-        self.model = self.tokenizer = self.dataset = self.engine = self.drafter = None
-        self.refresher = self.ctx = self.pool = None
-        self.eos_ids: list[int] = []
+        self.tokenizer = None  # the data stage needs it before the models load
+        self._dataset = None  # validate_data()
+        self.parts: build.RunParts | None = None  # prepare()
+        self.refresher = None  # warmstart(), when the run trains a drafter
+        self.warmed = False
+        self.ctx = self.pool = None  # start_steps()
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
-        self.champion: dict | None = None  # retrain: the registry's champion drafter version
         self.last_checkpoint: Path | None = None
+
+    # -- what the stages made, or a clear refusal -----------------------------------------------
+    def _need(self, made, what: str, stage: str, caller: str):
+        if made is None:
+            raise StageOrderError(f"Pipeline.{caller}() needs {what}, which the {stage}() stage builds: call it first "
+                                  "(the tlt-train flow runs validate_data, prepare, warmstart, then the RL steps)")
+        return made
+
+    @property
+    def dataset(self):
+        return self._need(self._dataset, "the validated dataset", "validate_data", "dataset")
+
+    def _parts(self, caller: str) -> build.RunParts:
+        return self._need(self.parts, "the models and the generation engine", "prepare", caller)
+
+    @property
+    def model(self):
+        return self._parts("model").model
+
+    @property
+    def engine(self):
+        return self._parts("engine").engine
+
+    @property
+    def drafter(self):
+        return self._parts("drafter").drafter
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return self._parts("eos_ids").eos_ids
+
+    @property
+    def champion(self) -> dict | None:
+        return self._parts("champion").champion
 
     def close(self) -> None:
         """Stop what this run started: the drafter refresher (spot trainer process), the policy updater
         (DeepSpeed's process group, Ray's trainer ranks), the worker or Ray pool and the vLLM worker.
         The one place the run's parts are closed; safe to call twice. The tracker is ended by its owner."""
         updater = self.ctx.updater if self.ctx is not None else None
-        for part in (self.refresher, updater, self.pool, self.engine):
-            close = getattr(part, "close", None)  # the in-process torch engine holds nothing to stop
-            if close is not None:
-                close()
+        engine = self.parts.engine if self.parts is not None else None
+        for part in (self.refresher, updater, self.pool, engine):
+            if part is not None:
+                part.close()
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -62,7 +105,7 @@ class Pipeline:
         return self.tokenizer
 
     def validate_data(self) -> DataSummary:
-        self.dataset, summary = data.validate_data(self.cfg, self.load_tokenizer(), self.run_dir, self.tracker)
+        self._dataset, summary = data.validate_data(self.cfg, self.load_tokenizer(), self.run_dir, self.tracker)
         return summary
 
     def prompt_ids(self, prompts) -> list[list[int]]:
@@ -70,17 +113,16 @@ class Pipeline:
 
     # -- stage 2: models -----------------------------------------------------------------------
     def prepare(self) -> ModelSummary:
+        """Load the models and build the drafter and the generation engine (tlt.build.build_parts)."""
         t0 = time.perf_counter()
-        self.model, self.tokenizer, self.eos_ids, self.champion = build.load_models(self.cfg, self.tracker,
-                                                                                   self.retrain, self.run_dir)
-        self.drafter, self.engine = build.build_engine(self.model, self.tokenizer, self.cfg, self.eos_ids,
-                                                       self.run_dir)
-        c = self.model.config
-        summary = ModelSummary(target=self.cfg.model.name_or_path, n_params=sum(p.numel() for p in self.model.parameters()),
+        self.parts = p = build.build_parts(self.cfg, self.tracker, self.retrain, self.run_dir)
+        self.tokenizer = p.tokenizer
+        c = p.model.config
+        summary = ModelSummary(target=self.cfg.model.name_or_path, n_params=sum(x.numel() for x in p.model.parameters()),
                                n_layers=c.num_hidden_layers, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
                                load_s=time.perf_counter() - t0,
-                               drafter_params=sum(p.numel() for p in self.drafter.parameters() if p.requires_grad)
-                               if self.drafter is not None else 0)
+                               drafter_params=sum(x.numel() for x in p.drafter.parameters() if x.requires_grad)
+                               if p.drafter is not None else 0)
         self.tracker.log_metrics({"timing_s/load_model": summary.load_s}, step=0)
         return summary
 
@@ -92,8 +134,7 @@ class Pipeline:
     def evaluate(self, step: int, sd: str = "config", accept: bool = True) -> EvalSummary:
         """Held-out accuracy, records and (with a drafter, unless `accept` is off: the export measures
         them on the exported folder) held-out accept lengths, logged at `step`."""
-        summary = evaluation.evaluate(self.cfg, self.engine, self.tokenizer, self.dataset.heldout, self.prompt_ids,
-                                      self.eos_ids, self.drafter is not None and accept, self.tracker, step, sd)
+        summary = evaluation.evaluate(self._parts("evaluate"), self.dataset.heldout, step, sd, accept)
         self.evals.append((step, summary.accuracy))
         return summary
 
@@ -107,21 +148,20 @@ class Pipeline:
     # -- stage 3: drafter warm-start -------------------------------------------------------------
     def build_corpus(self):
         """The drafter's self-distilled warm-start corpus (tlt.corpus), logged as a dataset input."""
-        return drafting.corpus(self.cfg, self.engine, self.model, self.drafter, self.dataset, self.prompt_ids,
-                               self.tracker)
+        return drafting.corpus(self._parts("build_corpus"), self.dataset)
 
     def warmstart(self, corpus=None) -> WarmstartSummary:
         """Warm-start on `corpus` (default: `build_corpus()`; a caller that also needs the corpus'
         captured features, e.g. bench/adaptive.py, builds it once and passes it); retrain: the
         champion drafter instead. Builds the refresher that trains the drafter during RL."""
-        heldout = self.prompt_ids(self.dataset.heldout["prompt"][: self.cfg.drafter.warmstart_eval_prompts])
-        if self.champion is not None:
-            summary, trainer = drafting.champion_drafter(self.cfg, self.engine, self.model, self.drafter,
-                                                         self.champion, heldout, self.run_dir)
+        parts = self._parts("warmstart")
+        heldout = parts.encode(self.dataset.heldout["prompt"][: self.cfg.drafter.warmstart_eval_prompts])
+        if parts.champion is not None:
+            summary, trainer = drafting.champion_drafter(parts, heldout)
         else:
-            summary, trainer = drafting.warmstart(self.cfg, self.engine, self.model, self.drafter, heldout,
-                                                  corpus if corpus is not None else self.build_corpus(), self.tracker)
-        self.refresher = build.build_refresher(self.cfg, self.model, self.drafter, trainer, self.run_dir)
+            summary, trainer = drafting.warmstart(parts, heldout, corpus if corpus is not None else self.build_corpus())
+        self.refresher = build.build_refresher(self.cfg, parts.model, parts.drafter, trainer, self.run_dir)
+        self.warmed = True
         return summary
 
     def promote(self, exported: ExportSummary) -> bool:
@@ -134,11 +174,16 @@ class Pipeline:
     def start_steps(self):
         """What the RL steps share (tlt.build.build_steps), built once. With `rollout.workers` > 1 (or
         on Ray) this starts the workers (actors); `resume()` and `rl_step()` call it, so the first of
-        them pays for the start-up and neither depends on another being called first."""
+        them pays for the start-up. A run with an EAGLE drafter must be warm-started first (the
+        refresher that trains the drafter during RL continues the warm-start's optimizer): before
+        that this refuses (`StageOrderError`) instead of running steps that would never train it."""
         if self.ctx is None:
-            engine, self.pool = build.build_rollout(self.cfg, self.model, self.drafter, self.engine, self.eos_ids,
-                                                    self.tokenizer, self.run_dir, self.tracker)
-            self.ctx = build.build_steps(self.cfg, self.model, self.tokenizer, self.dataset.train, engine,
+            p = self._parts("start_steps")
+            if p.drafter is not None and not self.warmed:
+                self._need(None, "the warm-started drafter and its refresher", "warmstart", "start_steps")
+            engine, self.pool = build.build_rollout(self.cfg, p.model, p.drafter, p.engine, p.eos_ids, p.tokenizer,
+                                                    self.run_dir, self.tracker)
+            self.ctx = build.build_steps(self.cfg, p.model, p.tokenizer, self.dataset.train, engine,
                                          self.refresher, self.pool)
         return self.ctx
 
@@ -157,5 +202,4 @@ class Pipeline:
         one version. `final`: the evaluation of the last step's weights, whose held-out accuracy tags
         the version; the accept lengths are measured on the exported folder itself."""
         accuracy = final.accuracy if final is not None and final.step == self.cfg.rl.steps else None
-        return export.export(self.cfg, self.model, self.tokenizer, self.eos_ids, self.drafter, self.run_dir,
-                             self.tracker, accuracy, list(self.dataset.heldout["prompt"]))
+        return export.export(self._parts("export"), accuracy, list(self.dataset.heldout["prompt"]))

@@ -1,6 +1,6 @@
 """Pandera contracts for the DataFrames that cross stage boundaries.
 
-`PromptSchema` is the shape of a validated prompt table (what `tlt.data` hands to training);
+`PromptSchema` is the shape of a validated prompt table (what `tlt.prompts` hands to training);
 `RolloutSchema` the shape of rollout rows (one sampled response per row). Both are strict (an
 unknown column is an error, not silently carried along) and coerce (a numeric answer such as
 42 becomes "42"). Validate with `lazy=True` so that every failure is reported at once.
@@ -9,7 +9,7 @@ unknown column is an error, not silently carried along) and coerce (a numeric an
 (row, column, reason) that a user can act on; nobody sees a raw SchemaErrors.
 
 Coercion happens before pandera's checks, so `5` would pass as the prompt "5". `RAW_TYPES`
-therefore checks the Python type of every cell *before* coercion; `tlt.data.validate_rows` runs
+therefore checks the Python type of every cell *before* coercion; `tlt.prompts.validate_rows` runs
 it first and reports a wrong type instead of a silently stringified value.
 """
 from __future__ import annotations
@@ -97,7 +97,7 @@ def _json_object(text: str) -> bool:
 class PromptSchema(pa.DataFrameModel):
     """A validated prompt table: one row per prompt; the index is the source row number."""
 
-    id: Series[str] = pa.Field(unique=True)  # pandera lists every copy; tlt.data keeps the first
+    id: Series[str] = pa.Field(unique=True)  # pandera lists every copy; tlt.prompts keeps the first
     prompt: Series[str]
     answer: Series[str]
     task: Series[str]

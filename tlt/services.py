@@ -13,6 +13,17 @@ from pathlib import Path
 from tlt.tracking import default_tracking_uri
 
 
+def env_defaults() -> None:
+    """The CLI's environment: offline by default; Prefect and caches live in the project folder
+    (variables already set win)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("PREFECT_HOME", str(Path(".prefect").resolve()))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(".cache/torch_extensions").resolve()))
+
+
 def _bin(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 

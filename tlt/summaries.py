@@ -30,7 +30,7 @@ class EvalSummary(BaseModel):
     n: int
     mean_length: float
     time_s: float
-    # Held-out accept length of the drafter (fixed strategy, tuner off: tlt.warmstart.heldout_accept), greedy
+    # Held-out accept length of the drafter (fixed strategy, tuner off: tlt.rollout.acceptance.heldout_accept), greedy
     # and at the rollout temperature; None without a drafter.
     accept_len: float | None = None
     accept_len_sampled: float | None = None
@@ -40,7 +40,7 @@ class EvalSummary(BaseModel):
 
 
 class WarmstartSummary(BaseModel):
-    # Held-out accept lengths (tlt.warmstart.heldout_accept), greedy unless named sampled.
+    # Held-out accept lengths (tlt.rollout.acceptance.heldout_accept), greedy unless named sampled.
     accept_len_before: float
     accept_len_after: float
     accept_len_sampled: float | None = None  # at the rollout temperature

@@ -32,7 +32,7 @@ SPEC_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_token
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("target", help="target model folder (save_pretrained: config, safetensors, tokenizer)")
-    ap.add_argument("drafter", help="EAGLE-3 export folder (tlt.export.export_eagle3)")
+    ap.add_argument("drafter", help="EAGLE-3 export folder (tlt.drafter.eagle3.export_eagle3)")
     ap.add_argument("prompts", help="JSON file: a list of prompts, each a list of token ids")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated with speculation")

@@ -27,10 +27,9 @@ from tlt.config import RolloutConfig
 from tlt.device import to_cpu
 from tlt.drafter.model import Eagle3Drafter
 from tlt.faults import fault
-from tlt.rollout.capabilities import Capabilities, PerWorkerState
-from tlt.rollout.engine import RolloutEngine
-from tlt.rollout.state import RolloutBatch
-from tlt.rollout.tuner import StrategyTuner
+from tlt.rollout.contract import Capabilities, PerWorkerState
+from tlt.rollout.torch_engine.build import build_engine
+from tlt.rollout.batch import RolloutBatch
 from tlt.versions import Synced, bump, version_of
 from tlt.rollout.workers import merge_batches, shard_sizes
 
@@ -43,13 +42,12 @@ class RolloutActor:
     """One engine in its own Ray worker process; weights arrive with `load(version, weights)`."""
 
     def __init__(self, rank: int, model_cls, model_config, dtype: torch.dtype, rollout_json: str, eos_ids: list[int],
-                 pad_id: int, threads: int, tuner_seed: int | None, drafter_args: tuple | None):
+                 pad_id: int, threads: int, seed: int, drafter_args: tuple | None):
         torch.set_num_threads(threads)
         cfg = RolloutConfig.model_validate_json(rollout_json)
         device = "cuda" if ray.get_gpu_ids() else "cpu"  # Ray shows a GPU actor its device(s) only
         self._models(rank, model_cls, model_config, dtype, drafter_args, device)
-        tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
-        self.engine = RolloutEngine(self.model, cfg, eos_ids, pad_id, drafter=self.drafter, tuner=tuner)
+        self.engine = build_engine(self.model, cfg, eos_ids, pad_id, self.drafter, seed=seed, rank=rank)
 
     def _models(self, rank: int, model_cls, model_config, dtype: torch.dtype, drafter_args: tuple | None,
                 device: str) -> None:
@@ -120,8 +118,7 @@ class RayRolloutPool(PerWorkerState):
         """`actor_cls`'s constructor arguments for actor `rank` (Ray repeats them at a restart)."""
         m, cfg = self._model, self.cfg
         return (rank, type(m), m.config, next(m.parameters()).dtype, cfg.model_dump_json(), self._eos, self._pad,
-                max(1, int(self.placement.cfg.rollout_actor_cpus)), (self._seed * 1000 + rank) if cfg.tuner else None,
-                self._dargs)
+                max(1, int(self.placement.cfg.rollout_actor_cpus)), self._seed, self._dargs)
 
     def _modules(self) -> dict:
         return {"policy": self._model, "drafter": self._drafter}

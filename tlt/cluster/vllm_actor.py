@@ -26,7 +26,8 @@ from ray.exceptions import RayActorError
 
 from tlt.cluster.rollout_actor import RayRolloutPool, RolloutActor
 from tlt.config import RolloutConfig
-from tlt.rollout.vllm_backend import VllmRolloutEngine
+from tlt.rollout.torch_engine.build import worker_seed
+from tlt.rollout.vllm_engine.backend import VllmRolloutEngine
 
 
 class VllmRolloutActor(RolloutActor):
@@ -86,7 +87,7 @@ class RayVllmPool(RayRolloutPool):
     def _actor_args(self, rank: int) -> tuple:
         m, cfg = self._model, self.cfg
         kw = {"run_dir": str(self._run_dir / f"rollout-actor-{rank}"), "max_model_len": self._max_model_len,
-              "max_num_seqs": cfg.prompts_per_step * cfg.group_size, "seed": self._seed + rank,
+              "max_num_seqs": cfg.prompts_per_step * cfg.group_size, "seed": worker_seed(self._seed, rank),
               "colocated": self.placement.cfg.placement == "colocated"}
         return (rank, type(m), m.config, next(m.parameters()).dtype, cfg.model_dump_json(), self._eos, self._pad,
                 max(1, int(self.placement.cfg.rollout_actor_cpus)), self._tokenizer, self._dargs, kw)

@@ -1,6 +1,6 @@
 """Teacher-forced accept length: what a drafter would accept on fixed greedy responses, without
 running speculative decoding (no bandit, no timing, one target forward per sequence). An offline
-estimate of the held-out accept length (tlt.warmstart.heldout_accept, which decodes through the
+estimate of the held-out accept length (tlt.rollout.acceptance.heldout_accept, which decodes through the
 engine) for benchmarks that compare many drafters; neither is the live rollout counter
 spec/accept_len/mean.
 

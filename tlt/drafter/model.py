@@ -1,7 +1,7 @@
 """EAGLE-3 drafter: one Llama-style decoder layer on fused target hidden states.
 
 The forward pass and the parameter names follow the EAGLE-3 checkpoint layout that vLLM and SGLang load exactly,
-so the state dict *is* the vLLM / SGLang export (see tlt/export.py):
+so the state dict *is* the vLLM / SGLang export (see tlt/drafter/eagle3.py):
 
     h0     = fc(cat(A_low, A_mid, A_high))                      # [B,T,H]
     x      = cat(input_layernorm(E[tok]), hidden_norm(h0))      # [B,T,2H]

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from tlt.rl.grpo import entropy_from_logits
-from tlt.rollout.sampling import token_logprobs
+from tlt.rollout.torch_engine.sampling import token_logprobs
 
 
 @dataclass

@@ -1,67 +1,18 @@
-"""The written contracts of the parts an RL step drives: the rollout `Engine`, the drafter
-`Refresher` and the policy `Updater`.
+"""The written contracts of the parts an RL step drives besides the rollout engine (whose contract,
+`Engine`, lives with the engines: tlt.rollout.contract): the drafter `Refresher` and the policy
+`Updater`.
 
 A Protocol lists behaviour (methods and read-only properties) only; state goes in and out through
 `state_dict()` / `load_state_dict()`. tests/test_protocols.py checks every implementation.
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from tlt.rollout.contract import TailHook
 
 if TYPE_CHECKING:
-    from tlt.config import SpecStrategy
     from tlt.rl.update import OnForward, PolicyBatch
-    from tlt.rollout.capabilities import Capabilities
-    from tlt.rollout.state import RolloutBatch
-
-TailHook = Callable[[int], None]  # called with the number of running sequences when the rollout's tail starts
-
-
-@runtime_checkable
-class Engine(Protocol):
-    """What an RL step, an evaluation and a checkpoint need of a rollout engine:
-    tlt.rollout.engine.RolloutEngine (this process), tlt.rollout.workers.WorkerPool (CPU worker
-    processes), tlt.rollout.vllm_backend.VllmRolloutEngine (a vLLM worker process) or
-    tlt.cluster.rollout_actor.RayRolloutPool (Ray actors).
-
-    Per-call options go with the call (`generate`'s arguments, `fixed_strategy`'s block); what the
-    engine supports is in `capabilities`, and a call it cannot honour raises
-    `tlt.rollout.capabilities.EngineCapabilityError` with the reason instead of decoding some
-    other way. Callers never read or set an engine's config, bandit or prompt history."""
-
-    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
-                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
-                 spec: bool | None = None, spec_threshold: int | None = None,
-                 on_tail: TailHook | None = None) -> RolloutBatch:
-        """`group_size` responses per prompt, group-major. spec / spec_threshold: this call's SD on/off
-        and tail threshold (None: the config's); on_tail: called once when the rollout's tail starts."""
-
-    def sync(self, model=None) -> dict[str, float]:
-        """Make the engine decode with `model`'s current weights (a no-op in this process)."""
-
-    def sleep(self) -> dict[str, float]:
-        """Before the policy update: hand the engine's accelerator memory to it (vLLM sleep mode;
-        the `sync` after the update wakes the engine). {} where there is nothing to hand over."""
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """What this engine supports (tlt.rollout.capabilities.Capabilities): per-call SD, the tail
-        switch, a bandit, tree strategies, draft sources and depth, lossless sampled SD, ..."""
-
-    def state_dict(self) -> dict:
-        """What a run checkpoint keeps of the engine ({"tuner": the bandit's state} where the engine
-        holds one in this process; {} where there is nothing, e.g. pools whose workers keep their own)."""
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`'s output (keys the engine does not hold are ignored)."""
-
-    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> AbstractContextManager[None]:
-        """A block in which every `generate` of up to `batch_size` prompts speculates with `strategy` on
-        every step (bandit, spec guard, patience and pruning off, no earlier answers); the engine is as
-        before afterwards. Used by tlt.rollout.engine.measure_accept (the held-out accept length).
-        EngineCapabilityError where the engine cannot (a pool; a strategy it cannot run)."""
-
 
 @runtime_checkable
 class Refresher(Protocol):

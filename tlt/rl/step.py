@@ -22,7 +22,8 @@ from tlt.metrics import rollout_metrics
 from tlt.precision import autocast
 from tlt.rl.grpo import group_advantages, zero_std_groups
 from tlt.rl.logprobs import forward_logprobs, make_batch
-from tlt.rl.protocols import Engine, Refresher, Updater
+from tlt.rl.protocols import Refresher, Updater
+from tlt.rollout.contract import Engine
 from tlt.rl.rewards import checked_rewards
 from tlt.rl.update import PolicyBatch, detached, fuses_old_logprob
 from tlt.schemas import rollout_table
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
 
     from tlt.config import RunConfig
     from tlt.rl.sampler import PromptSampler
-    from tlt.rollout.state import RolloutBatch
+    from tlt.rollout.batch import RolloutBatch
 
 class Timer:
     """Accumulates wall-clock seconds per named section: `with timer("rollout"): ...`."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-from tlt.rollout.capabilities import swapped
+from tlt.rollout.contract import swapped
 from tlt.rollout.tuner import StrategyTuner
 
 

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.multiprocessing as mp
 
-from tlt.rollout.capabilities import Capabilities, PerWorkerState, torch_capabilities
-from tlt.rollout.state import RolloutBatch
+from tlt.rollout.contract import Capabilities, PerWorkerState, torch_capabilities
+from tlt.rollout.batch import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 from tlt.versions import Synced, bump, version_of
 
@@ -61,12 +61,11 @@ def merge_batches(parts: list[RolloutBatch], group_size: int, wall_s: float, idl
 
 
 def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, rollout_json: str, eos_ids, pad_id,
-            threads: int, tuner_seed: int | None, versions: dict[str, int], cmd, res) -> None:
+            threads: int, seed: int, versions: dict[str, int], cmd, res) -> None:
     torch.set_num_threads(threads)
     # deferred: this runs in the spawned worker process, which imports only what it decodes with
     from tlt.config import RolloutConfig
-    from tlt.rollout.engine import RolloutEngine
-    from tlt.rollout.tuner import StrategyTuner
+    from tlt.rollout.torch_engine.build import build_engine
 
     cfg = RolloutConfig.model_validate_json(rollout_json)
     model = model_cls(model_config)  # random init once, then every tensor replaced by the shared one
@@ -80,8 +79,7 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
         drafter = Eagle3Drafter(target_config, model.get_input_embeddings().weight, vd, aux_ids)
         drafter.load_state_dict(state, strict=True, assign=True)
         drafter.eval()
-    tuner = StrategyTuner.from_config(cfg, seed=tuner_seed) if tuner_seed is not None else None
-    engine = RolloutEngine(model, cfg, eos_ids, pad_id, drafter=drafter, tuner=tuner)
+    engine = build_engine(model, cfg, eos_ids, pad_id, drafter, seed=seed, rank=rank)
     res.put((rank, "ready", None))
     while True:
         msg = cmd.get()
@@ -125,7 +123,7 @@ class WorkerPool(PerWorkerState):
             cmd = ctx.Queue()
             p = ctx.Process(target=_worker, daemon=True, name=f"tlt-rollout-{rank}", args=(
                 rank, type(model), model.config, self._policy, dargs, cfg.model_dump_json(), list(eos_ids), pad_id,
-                threads, (seed * 1000 + rank) if cfg.tuner else None, self._versions(), cmd, self.res))
+                threads, seed, self._versions(), cmd, self.res))
             p.start()
             self.cmds.append(cmd)
             self.procs.append(p)

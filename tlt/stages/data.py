@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tlt.config import RunConfig
-from tlt.data import Dataset, load_dataset
+from tlt.prompts import Dataset, load_dataset
 from tlt.preflight import check_reward_fn
 from tlt.schemas import frame_digest
 from tlt.summaries import DataSummary

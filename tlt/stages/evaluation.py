@@ -1,18 +1,50 @@
 """Evaluation: greedy held-out accuracy through the rollout engine and, when the run has a drafter,
-its held-out accept length (tlt.warmstart.heldout_accept), logged at the evaluated step."""
+its held-out accept length (tlt.rollout.acceptance.heldout_accept), logged at the evaluated step."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import pandas as pd
 
 from tlt.checkpoint import load_checkpoint
 from tlt.config import RunConfig
-from tlt.evaluate import evaluate as evaluate_heldout
-from tlt.rl.protocols import Engine
 from tlt.rl.resume import steps_done
-from tlt.rl.rewards import get_reward_fn
+from tlt.rl.rewards import checked_rewards, get_reward_fn
+from tlt.rollout.acceptance import heldout_accept_lens
+from tlt.rollout.contract import Engine
 from tlt.summaries import EvalSummary
 from tlt.versions import bump
-from tlt.warmstart import heldout_accept
+
+if TYPE_CHECKING:
+    from tlt.build import RunParts
+
+
+GenerateFn = Callable[[list[list[int]], int], list[list[int]]]
+
+
+def score_heldout(heldout: pd.DataFrame, prompt_ids: list[list[int]], generate: GenerateFn, decode: Callable,
+             reward_fn: Callable, max_new_tokens: int, batch_size: int, step: int = 0
+             ) -> tuple[EvalSummary, list[dict]]:
+    """Greedy-decode every held-out prompt; a response is correct when its reward is >= 1.
+
+    Returns the summary and one record per prompt (prompt, answer, response, reward) for the
+    sample table.
+    """
+    t0 = time.perf_counter()
+    responses: list[list[int]] = []
+    for i in range(0, len(prompt_ids), batch_size):
+        responses += generate(prompt_ids[i:i + batch_size], max_new_tokens)
+    texts = [decode(r) for r in responses]
+    rewards = checked_rewards(reward_fn, texts, list(heldout["answer"]), tasks=list(heldout["task"]),
+                              metas=list(heldout["meta"]))  # a user function's failure is a RewardError
+    records = [{"id": i, "prompt": p, "answer": a, "response": t, "reward": r}
+               for i, p, a, t, r in zip(heldout["id"], heldout["prompt"], heldout["answer"], texts, rewards)]
+    n = max(len(rewards), 1)
+    summary = EvalSummary(step=step, accuracy=sum(r >= 1.0 for r in rewards) / n, n=len(rewards),
+                          mean_length=sum(map(len, responses)) / n, time_s=time.perf_counter() - t0)
+    return summary, records
 
 
 def generate_greedy(engine: Engine, cfg: RunConfig, eos_ids: list[int], prompts: list[list[int]],
@@ -27,31 +59,27 @@ def generate_greedy(engine: Engine, cfg: RunConfig, eos_ids: list[int], prompts:
     return [[t for t in r if t not in eos_ids] for r in out.response_ids]
 
 
-def evaluate(cfg: RunConfig, engine: Engine, tokenizer, heldout, encode, eos_ids: list[int], has_drafter: bool,
-             tracker, step: int, sd: str = "config") -> EvalSummary:
-    """Held-out accuracy (greedy, decoding as `generate_greedy(sd=...)`) and, with a drafter, the
-    held-out accept length greedy and at the rollout temperature; logged, records included."""
-    summary, records = evaluate_heldout(
-        heldout, encode(heldout["prompt"]), lambda p, n: generate_greedy(engine, cfg, eos_ids, p, n, sd),
-        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), get_reward_fn(cfg.rl.reward),
+def evaluate(parts: RunParts, heldout: pd.DataFrame, step: int, sd: str = "config", accept: bool = True
+             ) -> EvalSummary:
+    """Held-out accuracy (greedy, decoding as `generate_greedy(sd=...)`) and, with a drafter (unless
+    `accept` is off), the held-out accept length greedy and at the rollout temperature; logged,
+    records included."""
+    cfg, engine = parts.cfg, parts.engine
+    summary, records = score_heldout(
+        heldout, parts.encode(heldout["prompt"]),
+        lambda p, n: generate_greedy(engine, cfg, parts.eos_ids, p, n, sd),
+        lambda ids: parts.tokenizer.decode(ids, skip_special_tokens=True), get_reward_fn(cfg.rl.reward),
         cfg.eval.max_new_tokens, cfg.eval.batch_size, step)
     metrics = {"eval/accuracy": summary.accuracy, "eval/response_length/mean": summary.mean_length,
                "timing_s/eval": summary.time_s}
-    if has_drafter:
-        summary.accept_len, summary.accept_len_sampled = heldout_accept_lens(cfg, engine, heldout, encode)
+    if parts.drafter is not None and accept:
+        prompts = parts.encode(heldout["prompt"][: cfg.drafter.warmstart_eval_prompts])
+        summary.accept_len, summary.accept_len_sampled = heldout_accept_lens(engine, prompts, cfg)
         metrics["eval/accept_len"], metrics["eval/accept_len_sampled"] = summary.accept_len, summary.accept_len_sampled
-    tracker.log_metrics(metrics, step=step)
-    tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
+    parts.tracker.log_metrics(metrics, step=step)
+    parts.tracker.log_table(records, f"eval/samples_step_{step:04d}.json")
     summary.records = records
     return summary
-
-
-def heldout_accept_lens(cfg: RunConfig, engine: Engine, heldout, encode) -> tuple[float, float]:
-    """The drafter's held-out accept length (tlt.warmstart.heldout_accept), greedy and at the
-    rollout temperature: the figures eval/accept_len and eval/accept_len_sampled log."""
-    prompts = encode(heldout["prompt"][: cfg.drafter.warmstart_eval_prompts])
-    return (heldout_accept(engine, prompts, cfg, 0.0).accept_len,
-            heldout_accept(engine, prompts, cfg, cfg.rollout.temperature or 1.0).accept_len)
 
 
 def load_weights(model, drafter, checkpoint: str | Path) -> int:

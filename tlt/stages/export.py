@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from tlt.config import RunConfig
 from tlt.model_folder import FORMAT, load_model_folder, provenance, serve_commands, write_model_folder
 from tlt.summaries import ExportSummary
 from tlt.tracking import set_champion
+
+if TYPE_CHECKING:
+    from tlt.build import RunParts
 
 
 def base_figures(cfg: RunConfig, run_id: str | None, step: int, accuracy: float | None, n: int) -> dict:
@@ -27,12 +31,12 @@ def base_figures(cfg: RunConfig, run_id: str | None, step: int, accuracy: float 
 def measure_folder(cfg: RunConfig, folder: Path, prompts: list[str]) -> dict:
     """Held-out accept length, greedy and at the rollout temperature, of the folder's drafter against
     its policy, both reloaded from `folder` in the exported precision (what a server gets), measured
-    with tlt's accept-length code (tlt.warmstart.heldout_accept: tuner off, `drafter.eval_strategy`)."""
+    with tlt's accept-length code (tlt.rollout.acceptance.heldout_accept: tuner off, `drafter.eval_strategy`)."""
     from tlt.build import encoder  # deferred: the engine stack, loaded by the run already
     from tlt.device import resolve_device
     from tlt.models import eos_token_ids
-    from tlt.rollout.engine import RolloutEngine
-    from tlt.warmstart import heldout_accept
+    from tlt.rollout.torch_engine.engine import RolloutEngine
+    from tlt.rollout.acceptance import heldout_accept
 
     model, tokenizer, drafter = load_model_folder(folder, resolve_device(cfg.trainer.device))
     if tokenizer.pad_token_id is None:
@@ -61,17 +65,16 @@ def write_and_measure(cfg: RunConfig, out: Path, model, tokenizer, eos_ids, draf
                               measure=measure)
 
 
-def export(cfg: RunConfig, model, tokenizer, eos_ids: list[int], drafter, run_dir: Path, tracker,
-           accuracy: float | None, heldout_prompts: list[str]) -> ExportSummary:
+def export(parts: RunParts, accuracy: float | None, heldout_prompts: list[str]) -> ExportSummary:
     """Write, measure, log and register the run's model folder; `accuracy`: the final held-out
     accuracy of these weights (the version's heldout_accuracy tag)."""
     t0 = time.perf_counter()
-    e = cfg.export
-    out = Path(e.out_dir) if e.out_dir else run_dir / "model"
+    cfg, tracker, e = parts.cfg, parts.tracker, parts.cfg.export
+    out = Path(e.out_dir) if e.out_dir else parts.run_dir / "model"
     figures = base_figures(cfg, tracker.run_id, cfg.rl.steps, accuracy, len(heldout_prompts))
-    what = "both" if drafter is not None else "policy"
-    path, figures = write_and_measure(cfg, out, model, tokenizer, eos_ids, drafter, figures, heldout_prompts,
-                                      what=what, force=e.out_dir is None)
+    what = "both" if parts.drafter is not None else "policy"
+    path, figures = write_and_measure(cfg, out, parts.model, parts.tokenizer, parts.eos_ids, parts.drafter, figures,
+                                      heldout_prompts, what=what, force=e.out_dir is None)
     version = tracker.log_model(path, "model", register_as=e.model_name if e.register_model else None,
                                 tags=tags_of(figures), step=cfg.rl.steps)
     summary = ExportSummary(path=str(path), version=version, accept_len=figures.get("accept_len"),

@@ -1,6 +1,6 @@
 """vLLM rollout worker: one process that owns one `vllm.LLM`, driven by JSON lines over its pipes.
 
-    .venv-vllm/bin/python tlt/rollout/vllm_worker.py WORK_DIR    (started by tlt.rollout.vllm_backend;
+    .venv-vllm/bin/python tlt/rollout/vllm_engine/vllm_worker.py WORK_DIR    (started by tlt.rollout.vllm_engine.backend;
                                                                    WORK_DIR is removed when it exits)
 Runs under the vLLM venv (bench/vllm_venv.sh), which lacks tlt's dependencies: it imports only
 vllm, torch and the stdlib, never the rest of tlt (like tlt/vllm_check.py). Protocol: one JSON
@@ -23,7 +23,7 @@ Requests:
   exit
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, see `main`); the in-place reloads
-run in vLLM's worker through tlt/rollout/vllm_ext.py (`worker_extension_cls`).
+run in vLLM's worker through tlt/rollout/vllm_engine/vllm_ext.py (`worker_extension_cls`).
 Sequences are group-major (prompt i, sample j -> i * n + j) and each is its own request with
 its own seed, so every sequence gets vLLM's per-request speculative counters. `logprobs` are
 vLLM's default `raw_logprobs`: log-softmax of the raw target logits (temperature 1, before

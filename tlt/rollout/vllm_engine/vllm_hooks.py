@@ -1,4 +1,4 @@
-"""Hooks into a live vLLM engine that vLLM has no public API for (tlt/rollout/vllm_worker.py uses them):
+"""Hooks into a live vLLM engine that vLLM has no public API for (tlt/rollout/vllm_engine/vllm_worker.py uses them):
 the scheduler's draft-length table per batch size (`Schedule`, built from `sd_schedule` / `sd_lookup`)
 and each step's spec-decode counters (`StepTap`).
 

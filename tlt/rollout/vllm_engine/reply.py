@@ -1,8 +1,8 @@
 """The vLLM worker's reply to a `generate` request, turned into tlt's `RolloutBatch` and its stats
-(tlt/rollout/vllm_backend.py sends the request; tlt/rollout/vllm_worker.py answers it)."""
+(tlt/rollout/vllm_engine/backend.py sends the request; tlt/rollout/vllm_engine/vllm_worker.py answers it)."""
 from __future__ import annotations
 
-from tlt.rollout.state import RolloutBatch
+from tlt.rollout.batch import RolloutBatch
 from tlt.rollout.stats import RolloutStats
 
 

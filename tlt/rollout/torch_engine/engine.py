@@ -12,27 +12,24 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from tlt import arch
 from tlt.config import RolloutConfig, SpecStrategy
-from tlt.rollout.cache import SlotCache
-from tlt.rollout.calibrate import Calibrator
-from tlt.rollout.capabilities import (Capabilities, TunerState, check_fixed_strategy, fixed_config, swapped,
+from tlt.rollout.torch_engine.cache import SlotCache
+from tlt.rollout.torch_engine.calibrate import Calibrator
+from tlt.rollout.contract import (Capabilities, TunerState, check_fixed_strategy, fixed_config, swapped,
                                       torch_capabilities)
-from tlt.rollout.guard import SpecGuard, StepLog, check_probe, probe_inputs, probe_logits
-from tlt.rollout.ngram import NgramDrafter, PromptHistory
-from tlt.rollout.sampling import sample, token_logprobs
-from tlt.rollout.spec import spec_round
-from tlt.rollout.state import DecodeState, Outputs, RolloutBatch, block_mask, prefill_mask
-from tlt.rollout.weights import RolloutCopy
+from tlt.rollout.guard import SpecGuard, check_probe, probe_inputs, probe_logits
+from tlt.rollout.torch_engine.ngram import NgramDrafter, PromptHistory
+from tlt.rollout.torch_engine.sampling import sample, token_logprobs
+from tlt.rollout.torch_engine.spec import RoundParts, spec_round
+from tlt.rollout.batch import RolloutBatch
+from tlt.rollout.torch_engine.state import DecodeState, Outputs, block_mask, prefill_mask
+from tlt.rollout.torch_engine.weights import RolloutCopy
 from tlt.versions import Synced
-
-if TYPE_CHECKING:
-    from tlt.rl.protocols import Engine
 
 
 class RolloutEngine(TunerState):
@@ -180,6 +177,9 @@ class RolloutEngine(TunerState):
         """Every strategy (trees, n-gram arms), per-call SD, the tail switch; the tuner if given one."""
         return torch_capabilities(self.cfg, self.tuner is not None)
 
+    def close(self) -> None:
+        """Nothing to stop: the engine lives in this process and holds only tensors."""
+
     @contextmanager
     def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
         """Within the block, every `generate` of up to `batch_size` prompts speculates with `strategy` on
@@ -276,7 +276,7 @@ class RolloutEngine(TunerState):
             produced = bsz
             outs.stats.tuner_plain_steps += 1
         else:
-            produced = spec_round(self, st, strategy, opts, gen, outs)
+            produced = spec_round(self.round_parts(), st, strategy, opts, gen, outs)
         dt = time.perf_counter() - t0
         if strategy.plain:
             outs.steps.plain(dt)
@@ -286,6 +286,14 @@ class RolloutEngine(TunerState):
             self.tuner.update(bsz, strategy, produced / max(dt, 1e-9), seconds=dt)
             outs.stats.record_strategy(self.tuner.bucket_of(bsz), self.tuner.arm_index(bsz, strategy))
             outs.stats.regret = self.tuner.regret_stats()  # cumulative: the value after this call's last round
+
+    def round_parts(self) -> RoundParts:
+        """What a speculative round reads of this engine (tlt.rollout.torch_engine.spec.RoundParts)."""
+        c = self.cfg
+        return RoundParts(forward=self.forward, drafter=self.drafter, ngram=self.ngram, history=self.history,
+                          calibrator=self.calibrator, eos=self.eos, group_drafts=c.group_drafts,
+                          draft_min_prob=c.draft_min_prob, draft_stop_below=c.draft_stop_below,
+                          sampled_drafts=c.sampled_drafts)
 
     def _retire(self, st: DecodeState, outs) -> None:
         """Drop finished rows from the batch (cache rows too) and compact the cache when sparse."""
@@ -335,47 +343,3 @@ class Capture:
             n = len(resp)
             out.append((torch.cat([pa, self.aux[i, :n]]), torch.cat([pf, self.fin[i, :n]])))
         return out
-
-
-@dataclass
-class AcceptReport:
-    """Accept length of a fixed strategy: tokens emitted per target verify pass (prefill excluded)."""
-
-    accept_len: float
-    tokens: int
-    passes: int
-    responses: list[list[int]]
-
-
-def measure_accept(engine: Engine, prompts: list[list[int]], temperature: float = 0.0,
-                   max_new_tokens: int = 48, strategy: SpecStrategy | None = None,
-                   batch_size: int = 8) -> AcceptReport:
-    """Accept length with the tuner OFF and one fixed, named strategy (default: a depth-4 chain).
-
-    Every round of every prompt is a speculative round of `strategy` (threshold >= batch, no
-    patience, no confidence pruning, no spec guard), so the number depends on the drafter and the prompts only,
-    not on what a bandit happened to pick or learn. Prompts run `batch_size` at a time (the
-    per-row accept length does not depend on the batch). Runs inside `engine.fixed_strategy`, which
-    leaves the engine as it was (an n-gram strategy sees no earlier answers of the prompts); an
-    engine that cannot run it raises `EngineCapabilityError` with the reason.
-    `responses` are the outputs (greedy SD is lossless: the target's own).
-    """
-    strategy = strategy or SpecStrategy(depth=4, topk=1, tokens=4)
-    if strategy.plain:
-        raise ValueError("measure_accept needs a drafting strategy (depth >= 1), not the plain arm")
-    tokens = passes = 0
-    responses: list[list[int]] = []
-    with engine.fixed_strategy(strategy, batch_size):
-        for i in range(0, len(prompts), batch_size):
-            out = engine.generate(prompts[i:i + batch_size], max_new_tokens=max_new_tokens, temperature=temperature,
-                                  seed=i, spec=True)
-            tokens += out.stats.spec_tokens
-            passes += out.stats.spec_row_passes
-            responses += [list(r) for r in out.response_ids]
-    return AcceptReport(tokens / max(passes, 1), int(tokens), int(passes), responses)
-
-
-def accept_length(engine: Engine, prompts: list[list[int]], temperature: float = 0.0,
-                  max_new_tokens: int = 48, strategy: SpecStrategy | None = None, batch_size: int = 8) -> float:
-    """`measure_accept(...).accept_len`: mean tokens per verify pass, tuner off, fixed strategy."""
-    return measure_accept(engine, prompts, temperature, max_new_tokens, strategy, batch_size).accept_len

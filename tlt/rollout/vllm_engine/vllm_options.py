@@ -2,8 +2,8 @@
 platform the engine runs on, where it runs (the vLLM worker, which knows its platform; the driver
 of a Ray run may have no GPU while its rollout actors do).
 
-Stdlib only: the worker (tlt/rollout/vllm_worker.py, under the vLLM venv) imports this file as the
-top-level module `vllm_options`, tlt as `tlt.rollout.vllm_options`.
+Stdlib only: the worker (tlt/rollout/vllm_engine/vllm_worker.py, under the vLLM venv) imports this file as the
+top-level module `vllm_options`, tlt as `tlt.rollout.vllm_engine.vllm_options`.
 
   - enforce_eager: "auto" is eager on CPU (vLLM's CPU build would compile the model with
     torch inductor at start, minutes on a few cores) and CUDA graphs on a GPU (decode steps of

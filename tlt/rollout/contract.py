@@ -1,20 +1,26 @@
-"""What a rollout engine can do (`Capabilities`, the `capabilities` property of every engine), and
-the one check that turns a call an engine cannot honour into an error with the reason.
+"""The rollout floor's contract: `Engine` (what every engine does: the torch engine, the worker
+pool, vLLM, Ray actors), its tail hook, what an engine can do (`Capabilities`, the `capabilities`
+property of every engine), and the one check that turns a call an engine cannot honour into an
+error with the reason.
 
-Every engine keeps the same contract (tlt.rl.protocols.Engine); where a backend cannot do
+Where a backend cannot do
 something a call asks for (a tree strategy on vLLM, speculation on an engine built without a
 drafter, a fixed-strategy measurement on a worker pool), the call raises `EngineCapabilityError`
 naming what is missing instead of decoding some other way.
 
 `fixed_config` is the rollout config of a fixed-strategy measurement (the held-out accept length,
-tlt.rollout.engine.measure_accept), which each engine applies to itself in `fixed_strategy`.
+tlt.rollout.acceptance.measure_accept), which each engine applies to itself in `fixed_strategy`.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from tlt.config import RolloutConfig, SpecStrategy
+
+if TYPE_CHECKING:
+    from tlt.rollout.batch import RolloutBatch
 
 
 class EngineCapabilityError(ValueError):
@@ -34,7 +40,9 @@ class Capabilities:
     sampled_sd: SD is lossless at temperature > 0 (False: such calls decode without SD, with a
     warning). prompt_history: n-gram drafts from earlier answers to the same prompt
     (rollout.group_drafts). live_drafter_reload: new drafter weights reach the engine in place.
-    fixed_strategy: `fixed_strategy()` (the held-out accept length) can run here. checkpoint: what
+    fixed_strategy: `fixed_strategy()` (the held-out accept length) can run here. capture: `generate`
+    takes `capture=` (target hidden-state ids) and returns the features its forwards computed (the
+    drafter corpus keeps them, so warm-start needs no second forward). checkpoint: what
     `state_dict()` holds, in words ("" when nothing).
     """
 
@@ -50,18 +58,71 @@ class Capabilities:
     prompt_history: bool = False
     live_drafter_reload: bool = True
     fixed_strategy: bool = True
+    capture: bool = False
     checkpoint: str = ""
 
 
+TailHook = Callable[[int], None]  # called with the number of running sequences when the rollout's tail starts
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What an RL step, an evaluation and a checkpoint need of a rollout engine:
+    tlt.rollout.torch_engine.engine.RolloutEngine (this process), tlt.rollout.workers.WorkerPool (CPU worker
+    processes), tlt.rollout.vllm_engine.backend.VllmRolloutEngine (a vLLM worker process) or
+    tlt.cluster.rollout_actor.RayRolloutPool (Ray actors).
+
+    Per-call options go with the call (`generate`'s arguments, `fixed_strategy`'s block); what the
+    engine supports is in `capabilities`, and a call it cannot honour raises
+    `EngineCapabilityError` with the reason instead of decoding some
+    other way. Callers never read or set an engine's config, bandit or prompt history."""
+
+    def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None, seed: int = 0,
+                 spec: bool | None = None, spec_threshold: int | None = None,
+                 on_tail: TailHook | None = None) -> RolloutBatch:
+        """`group_size` responses per prompt, group-major. spec / spec_threshold: this call's SD on/off
+        and tail threshold (None: the config's); on_tail: called once when the rollout's tail starts."""
+
+    def sync(self, model=None) -> dict[str, float]:
+        """Make the engine decode with `model`'s current weights (a no-op in this process)."""
+
+    def sleep(self) -> dict[str, float]:
+        """Before the policy update: hand the engine's accelerator memory to it (vLLM sleep mode;
+        the `sync` after the update wakes the engine). {} where there is nothing to hand over."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this engine supports (`Capabilities` above): per-call SD, the tail
+        switch, a bandit, tree strategies, draft sources and depth, lossless sampled SD, ..."""
+
+    def state_dict(self) -> dict:
+        """What a run checkpoint keeps of the engine ({"tuner": the bandit's state} where the engine
+        holds one in this process; {} where there is nothing, e.g. pools whose workers keep their own)."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s output (keys the engine does not hold are ignored)."""
+
+    def close(self) -> None:
+        """Stop what the engine started (worker processes, actors, the vLLM worker); idempotent, a
+        no-op for the in-process torch engine."""
+
+    def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> AbstractContextManager[None]:
+        """A block in which every `generate` of up to `batch_size` prompts speculates with `strategy` on
+        every step (bandit, spec guard, patience and pruning off, no earlier answers); the engine is as
+        before afterwards. Used by tlt.rollout.acceptance.measure_accept (the held-out accept length).
+        EngineCapabilityError where the engine cannot (a pool; a strategy it cannot run)."""
+
+
 def torch_capabilities(cfg: RolloutConfig, tuner: bool, name: str = "the torch engine") -> Capabilities:
-    """The torch engine's (tlt.rollout.engine): every strategy, drafter or n-gram (the n-gram drafter
+    """The torch engine's (tlt.rollout.torch_engine.engine): every strategy, drafter or n-gram (the n-gram drafter
     stands in when there is no drafter), lossless sampled SD, the tuner when it was given one."""
-    return Capabilities(name=name, tuner=tuner, prompt_history=cfg.group_drafts,
+    return Capabilities(name=name, tuner=tuner, prompt_history=cfg.group_drafts, capture=True,
                         checkpoint="the bandit's state" if tuner else "")
 
 
 def vllm_capabilities(method: str | None, k: int, sampled_sd: bool, tuner: bool) -> Capabilities:
-    """A vLLM engine's (tlt.rollout.vllm_backend) built with speculation `method` ("eagle3", "ngram" or
+    """A vLLM engine's (tlt.rollout.vllm_engine.backend) built with speculation `method` ("eagle3", "ngram" or
     None: none) and draft length `k`: chains of depth <= k from that one source, no trees, no drafts
     from earlier answers; sampled SD where the worker's rejection-sampler probe passed (`sampled_sd`)."""
     sources = {"eagle3": frozenset({"drafter"}), "ngram": frozenset({"ngram"})}.get(method, frozenset())
