@@ -2,6 +2,7 @@
 (LR schedule, prompt-position weights): real reasoning-gym prompts, a tiny random target."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -148,7 +149,9 @@ def test_engines_without_capture_build_a_corpus_without_features(setup, tmp_path
     """vLLM / worker engines have no `capture`: the corpus is built anyway, features left to a re-forward."""
     cfg, model, tok, ds, eng, enc = setup
 
-    class NoCapture:
+    class NoCapture:  # what it can do: the torch engine's, less `capture`
+        capabilities = dataclasses.replace(eng.capabilities, capture=False)
+
         def generate(self, prompts, max_new_tokens=None, temperature=None, top_p=None, seed=0, spec=None):
             return eng.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                 seed=seed, spec=spec)
