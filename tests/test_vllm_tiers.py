@@ -58,7 +58,7 @@ def _corrupting(real, how: str):
 
 @pytest.mark.parametrize("how", ["scaled", "zeroed"])
 def test_probe_catches_a_corrupted_drafter_export(setup, monkeypatch, how):
-    from tlt.rollout import vllm_backend
+    from tlt.rollout.vllm_engine import backend as vllm_backend
     from tlt.rollout.guard import DrafterMismatch
 
     _, drafter, engine, _ = setup

@@ -1,7 +1,7 @@
 """Engine-level counters of one rollout (`RolloutBatch.stats`), typed.
 
 Filled by the torch engine (engine.py, spec.py), rebuilt from a vLLM worker's counters
-(vllm_backend.py), combined over shards with `merge` (workers.py), read by `tlt.metrics`.
+(vllm_engine/backend.py), combined over shards with `merge` (workers.py), read by `tlt.metrics`.
 The derived properties are the ratios `tlt.metrics.rollout_metrics` logs.
 """
 from __future__ import annotations

@@ -142,7 +142,7 @@ def generate(llm, req: dict, emit, schedule: "Schedule | None", tap: "StepTap | 
 def _step_loop(llm, req: dict, emit, schedule: "Schedule | None", tap: "StepTap | None") -> tuple[list, dict]:
     """engine.step() until done. SD: `sd_k` drafts (per tier: `sd_tiers`) while <= `sd_threshold`
     requests run (0: off), held back until the count stayed there `patience` steps (see
-    vllm_backend's docstring); `tail` event once <= `tail_at` run. Per step (`steps`): [requests
+    tlt.rollout.vllm_engine.backend's docstring); `tail` event once <= `tail_at` run. Per step (`steps`): [requests
     before it, drafts verified, tokens accepted, seconds, 1 if no request waited for its prefill,
     K in effect (chosen at the step before)]."""
     engine, tail_at, sd_at = llm.llm_engine, req.get("tail_at"), int(req.get("sd_threshold") or 0)
