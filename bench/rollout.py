@@ -1,8 +1,12 @@
 """Rollout benchmark: the engine without SD, with SD, and HF `generate`, same prompts and seed; in the GRPO
 section also the field's baselines (bench/baselines.py: SD always on, the best static draft length per tier).
 
-    python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR] [--prompts task] [--set k=v ...]
+    python bench/rollout.py conf/default.yaml --json out.json [--drafter DIR|warmstart] [--prompts task] [--set k=v ...]
+
+`--drafter warmstart` warm-starts the config's drafter first (as `tlt drafter warmstart` does, through
+its cache under .cache/drafters) and benchmarks that export, so the result reruns from a clone.
 """
+import tempfile
 from pathlib import Path
 
 import torch
@@ -28,7 +32,8 @@ QUESTIONS = ["Explain step by step how to compute 23 * 17.", "Write a short stor
     "What are the primary colors? Explain how they mix.", "Describe the rules of tic-tac-toe.",
     "Compute 12 * 12 and 13 * 13, and explain the pattern.", "Explain why the sky is blue."]
 baselines = harness.load("baselines")
-FLAGS = (("--drafter", None, "EAGLE-3 export directory (default: n-gram drafter)"), ("--batches", "1,4,16", None),
+FLAGS = (("--drafter", None, "EAGLE-3 export directory, or 'warmstart': the config's warm-started drafter "
+                             "(default: n-gram drafter)"), ("--batches", "1,4,16", None),
          ("--max-new-tokens", None, None, int), ("--reps", 2, None), ("--no-grpo", False, None),
          ("--row-prompts", 16, "prompts per row: batch b runs row_prompts / b batches"),
          ("--tuner", False, "SD rows: the configured strategy tuner, not rollout.strategy"),
@@ -141,9 +146,30 @@ def grpo_arms(cfg, model, tok, drafter, prompts: str, reps: int, eos_ids, pad_id
             "speedup_vs_static": secs["static"] / secs["spec"], "static_table": table}
 
 
+def warmstarted_drafter(cfg, out: Path) -> str:
+    """The config's drafter warm-started on its corpus (both cached under .cache/, so a rerun on the
+    same config and seed gets the same drafter), exported as EAGLE-3 to `out`."""
+    from tlt.drafter.eagle3 import export_eagle3
+    from tlt.pipeline import Pipeline
+
+    cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"drafter": "eagle"}),
+                                 "trainer": cfg.trainer.model_copy(update={"checkpoint_dir": str(out / "runs")})})
+    with Pipeline(cfg) as pipe:
+        pipe.validate_data()
+        pipe.prepare()
+        print(f"warm-start: {pipe.warmstart().model_dump_json()}", flush=True)
+        export_eagle3(pipe.drafter, pipe.model.config, out / "drafter", force=True)
+    return str(out / "drafter")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = harness.parse(harness.parser(__doc__, *FLAGS, threads=True), argv)
     cfg = harness.config(args)
+    tmp = None
+    if args.drafter == "warmstart":
+        check_run_inputs(cfg)
+        tmp = tempfile.TemporaryDirectory(prefix="tlt-bench-drafter-")
+        args.drafter = warmstarted_drafter(cfg, Path(tmp.name))
     if args.drafter is not None and not (Path(args.drafter) / "config.json").is_file():
         raise UserError(f"--drafter '{args.drafter}' is not an EAGLE-3 export (no config.json there); pass the folder "
                         "`tlt export --out` or `tlt drafter warmstart --export` wrote")
@@ -151,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = resolve_run(cfg)[0]  # 'auto' precisions as a run on this hardware resolves them: decode in that dtype
     res = run_bench(cfg, args.drafter, [int(b) for b in args.batches.split(",")], args.max_new_tokens, args.reps,
                     grpo=not args.no_grpo, prompts=args.prompts, row_prompts=args.row_prompts, tuner=args.tuner)
+    if tmp is not None:
+        res["drafter"] = "warmstart"
+        tmp.cleanup()
     return harness.write_result(res, "rollout", args, argv)
 
 
