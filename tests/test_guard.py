@@ -91,7 +91,7 @@ def test_useless_drafter_trips_the_guard_on_the_torch_engine(target):
 def test_torch_engine_probes_its_drafter_copy(target, monkeypatch):
     """rollout.dtype bfloat16: the engine drafts with a bf16 copy of the fp32 drafter; the copy passes
     the probe at start and after a refresh, and a refresh that lost a weight raises."""
-    from tlt.rollout import weights
+    from tlt.rollout.torch_engine import weights
 
     drafter = _useless_drafter(target)
     torch.nn.init.normal_(drafter.lm_head.weight, std=0.05)

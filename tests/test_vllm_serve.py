@@ -13,22 +13,15 @@ model folder; vLLM's CPU build serves it with the speculative config its README 
       `tolerance()` below.
 The server is a process group of its own, stopped by the fixture also when a check fails.
 
-The `openai` client is vLLM's own dependency: it lives in .venv-vllm, not in tlt's .venv, so the
-queries run in a small script under .venv-vllm's Python (CLIENT).
+Server and client: bench/vllm_server.py (the `openai` client is vLLM's own dependency, so the
+queries run under .venv-vllm's Python).
 """
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
-import socket
-import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -41,19 +34,7 @@ pytestmark = [
                        "`bash bench/vllm_venv.sh` or run `make test-vllm`"),
 ]
 
-CLIENT = """
-import json, sys
-from openai import OpenAI
-base, model, prompts, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
-client = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300)
-out = []
-for p in prompts:  # one request at a time: no batching effects on fp32 greedy ties
-    r = client.completions.create(model=model, prompt=p, max_tokens=n, temperature=0.0,
-                                  extra_body={"return_token_ids": True})
-    c = r.choices[0]
-    out.append({"token_ids": (c.model_extra or {}).get("token_ids"), "finish_reason": c.finish_reason})
-print(json.dumps(out))
-"""
+vs = load_bench("vllm_server")
 
 
 @pytest.fixture(scope="module")
@@ -79,80 +60,19 @@ def exported(tmp_path_factory, one_thread):
     return {"cfg": cfg, "folder": Path(summary.path), "summary": summary, "prompts": prompts, "tmp": tmp}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_args(folder: Path) -> list[str]:
-    """The serve command of the folder's README (the CPU build's module form), as the user copies it."""
-    readme = (folder / "README.md").read_text()
-    line = next(ln for ln in readme.splitlines() if ln.startswith("python -m vllm.entrypoints.openai.api_server"))
-    spec = re.search(r"--speculative-config '(.*)'$", line).group(1)
-    assert json.loads(spec) == {"method": "eagle3", "model": str(folder / "drafter"), "num_speculative_tokens": K}
-    return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(folder / "policy"), "--speculative-config", spec]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (API server + engine core), SIGKILL what is left after 30 s."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 @pytest.fixture(scope="module")
 def server(exported):
     folder, tmp = exported["folder"], exported["tmp"]
-    port = _free_port()
-    log = open(tmp / "vllm-server.log", "w")
-    args = [str(VLLM_PY), *_serve_args(folder), "--host", "127.0.0.1", "--port", str(port),
-            # small and exact on CPU: fp32 (the export's dtype), eager, a small KV cache
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4",
-            "--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    proc = subprocess.Popen(args, cwd=tmp, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    _, spec = vs.serve_args(folder)
+    assert spec == {"method": "eagle3", "model": str(folder / "drafter"), "num_speculative_tokens": K}
+    # small and exact on CPU: fp32 (the export's dtype), eager, a small KV cache
+    extra = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4",
+             "--kv-cache-memory-bytes", str(256 * 2**20), "--seed", "0"]
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode}:\n{(tmp / 'vllm-server.log').read_text()[-4000:]}")
-            try:
-                if urllib.request.urlopen(f"{base}/health", timeout=5).status == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not healthy in 600 s:\n{(tmp / 'vllm-server.log').read_text()[-4000:]}")
-            time.sleep(2)
-        yield {"base": base, "model": str(folder / "policy"), "log": tmp / "vllm-server.log"}
-    finally:
-        _stop(proc)
-        log.close()
-
-
-def _query(server, prompts: list[list[int]]) -> list[dict]:
-    proc = subprocess.run([str(VLLM_PY), "-c", CLIENT, f"{server['base']}/v1", server["model"], json.dumps(prompts),
-                           str(MAX_TOKENS)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
-
-
-def _spec_counters(server) -> tuple[float, float]:
-    text = urllib.request.urlopen(f"{server['base']}/metrics", timeout=30).read().decode()
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{re.escape(name)}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
-
-    return total("vllm:spec_decode_num_drafts"), total("vllm:spec_decode_num_accepted_tokens")
+        with vs.serving(folder, extra, tmp / "vllm-server.log") as srv:
+            yield srv
+    except RuntimeError as err:
+        pytest.fail(str(err))
 
 
 def _torch_side(exported):
@@ -182,14 +102,14 @@ def test_served_model_folder_matches_tlt(exported, server):
     from tlt.rollout.acceptance import measure_accept
 
     prompts = exported["prompts"]
-    served = _query(server, prompts)
+    served = vs.query(server, prompts, MAX_TOKENS)
     engine, eos = _torch_side(exported)
     ours = [engine.generate([p], max_new_tokens=MAX_TOKENS, temperature=0.0, spec=False).response_ids[0]
             for p in prompts]
     strip = lambda ids: [t for t in ids if t not in eos]  # noqa: E731 - EOS: vLLM returns it, tlt's engine too or not
     assert [strip(s["token_ids"]) for s in served] == [strip(list(o)) for o in ours]  # (a)
 
-    drafts, accepted = _spec_counters(server)
+    drafts, accepted = vs.spec_counters(server)
     assert drafts > 0 and accepted > 0, (drafts, accepted)  # (b)
     served_len = 1 + accepted / drafts
     tlt_len = measure_accept(engine, prompts, 0.0, MAX_TOKENS, SpecStrategy(depth=K, topk=1, tokens=K),
