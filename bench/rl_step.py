@@ -20,6 +20,7 @@ from harness import mean_excluding_first, parity
 from tlt.prompts import render_prompt
 from tlt.models import bundled_smollm2_dir, load_tokenizer
 from tlt.rl.sampler import PromptSampler
+from tlt.versions import write_weights
 
 MODES = {"adaptive": ["rollout.spec=true", "drafter.where=spot"],  # the recipe's schedule, trained by the spot trainer
          "plain": ["rollout.spec=false", "drafter.schedule=frozen"],
@@ -67,7 +68,7 @@ def run_modes(args, out_dir: Path, extra: tuple = (), names: dict | None = None)
                    for sd in (p.drafter.state_dict() for p in pipes.values()))
         if not same:  # re-synced from the first arm's
             for p in pipes.values():
-                p.drafter.load_state_dict(ref, strict=True)
+                write_weights(p.drafter, ref)  # bumped: the arm's engine decodes these weights
         table = calibrate_static(pipes[names["static"]], args) if "static" in names else None
         calibration = {arm: getattr(p.engine, "calibration", None) for arm, p in pipes.items()}
         runs = {arm: {"steps": steps} for arm, steps in harness.run_steps(pipes, args.steps).items()}

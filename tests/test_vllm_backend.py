@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tlt.versions import bump
+from tlt.versions import bump, write_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -51,7 +51,7 @@ def _tied_target():
     cfg = base.config
     cfg.tie_word_embeddings = True
     model = LlamaForCausalLM(cfg)
-    model.load_state_dict(base.state_dict(), strict=False)
+    write_weights(model, base.state_dict(), strict=False)
     model.tie_weights()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     return model.eval()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tlt.versions import bump
+from tlt.versions import bump, write_weights
 
 from test_vllm_backend import EOS, K, MAX_NEW, VLLM_PY, _few_long, _prompts, _rollout_cfg, _tied_target
 
@@ -128,9 +128,7 @@ def test_guard_trips_on_a_useless_drafter_and_rearms(setup):
         off = engine.generate(prompts, temperature=0.0)
         assert rollout_metrics(off)["spec/guard_tripped"] >= 1 and off.response_ids == outs[0].response_ids
         assert sum(d for n, d in off.stats.vllm["trace"] if n == 2) == 0  # nothing drafted at batch size 2
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(head)  # a new drafter: synced, probed, the guard re-armed
-        bump(drafter)
+        write_weights(drafter, {"lm_head.weight": head}, strict=False)  # a new drafter: synced, probed, re-armed
         again = engine.generate(prompts, temperature=0.0)
         assert again.stats.spec_row_passes > 0 and rollout_metrics(again)["spec/guard_tripped"] == 0.0
     finally:
@@ -161,9 +159,7 @@ def test_every_tier_off_rebuilds_a_plain_engine_until_a_new_drafter(setup):
         assert not engine.sd_built and engine.rebuilds == rebuilds + 1 and engine.guard.tripped == 1
         plain = engine.generate(prompts, temperature=0.0)  # SD asked for, none possible: a plain engine
         assert plain.stats.vllm["drafts"] == 0 and plain.response_ids == outs[0].response_ids
-        with torch.no_grad():
-            drafter.lm_head.weight.copy_(head)
-        bump(drafter)
+        write_weights(drafter, {"lm_head.weight": head}, strict=False)
         metrics = engine.sync()
         assert engine.sd_built and metrics["rollout/vllm_rebuilds"] == rebuilds + 2 and engine.guard.tripped == 0
         again = engine.generate(prompts, temperature=0.0)

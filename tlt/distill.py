@@ -22,7 +22,7 @@ from tlt.corpus import Corpus, vocab_coverage
 from tlt.drafter.train import (DrafterTrainer, Sample, collect_samples, count_batches, pack, prompt_weight,
                                weight_prompt)
 from tlt.rollout.acceptance import heldout_accept
-from tlt.versions import bump
+from tlt.versions import write_weights
 from tlt.summaries import WarmstartSummary
 
 
@@ -78,8 +78,7 @@ def response_counts(corpus: Corpus, vocab_size: int) -> torch.Tensor:
 
 
 def _restore(drafter, cache: Path, cfg, head, t0: float) -> tuple[WarmstartSummary, DrafterTrainer]:
-    drafter.load_state_dict(load_file(cache / "drafter.safetensors"), strict=True)
-    bump(drafter)
+    write_weights(drafter, load_file(cache / "drafter.safetensors"))
     summary = WarmstartSummary.model_validate_json((cache / "summary.json").read_text())
     summary = summary.model_copy(update={"cached": True, "time_s": time.perf_counter() - t0})
     trainer = DrafterTrainer(drafter, cfg.drafter, head)

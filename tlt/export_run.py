@@ -18,6 +18,7 @@ from tlt.drafter.eagle3 import ExportError
 from tlt.models import eos_token_ids, load_target
 from tlt.rl.resume import steps_done
 from tlt.stages.export import base_figures, write_and_measure
+from tlt.versions import write_weights
 
 
 def resolve_checkpoint(run_id: str | None, checkpoint: str | Path | None, checkpoint_root: str = "runs") -> Path:
@@ -40,7 +41,7 @@ def resolve_checkpoint(run_id: str | None, checkpoint: str | Path | None, checkp
 
 def _load_strict(module, state: dict, what: str, ckpt: Path) -> None:
     try:
-        module.load_state_dict(state, strict=True)
+        write_weights(module, state)
     except RuntimeError as err:
         first = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err))
         raise ExportError(f"checkpoint '{ckpt}': its {what} does not fit the model its run's config.yaml builds "

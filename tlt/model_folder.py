@@ -25,6 +25,7 @@ from tlt.atomic import staged_dir
 from tlt.drafter.model import rope_parameters
 from tlt.drafter.eagle3 import ExportError, check_export, export_eagle3, load_eagle3
 from tlt.provenance import git_state, tlt_version
+from tlt.versions import write_weights
 
 POLICY, DRAFTER, README, FIGURES = "policy", "drafter", "README.md", "tlt-model.json"
 FORMAT = "tlt-model"  # the `format` tag of a registered version holding policy/ and drafter/
@@ -145,7 +146,7 @@ def load_policy_weights(model, policy_dir: str | Path) -> None:
         raise ExportError(f"'{policy_dir}' holds no *.safetensors weights; is it a tlt model folder's policy/?")
     state = {k: v for f in files for k, v in load_file(str(f)).items()}
     try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = write_weights(model, state, strict=False)
     except RuntimeError as err:  # size mismatches
         raise ExportError(f"the policy in '{policy_dir}' does not fit model.name_or_path's architecture "
                           f"({str(err).splitlines()[1].strip() if len(str(err).splitlines()) > 1 else err}); set "

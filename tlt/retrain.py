@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from tlt.errors import UserError
 from tlt.model_folder import DRAFTER, FORMAT, POLICY, load_policy_weights
 from tlt.tracking import champion, download
-from tlt.versions import bump
+from tlt.versions import write_weights
 
 log = logging.getLogger(__name__)
 
@@ -92,12 +92,10 @@ def load_champion_policy(model, cfg, tracker, dst: Path) -> dict | None:
     else:
         path = champion_policy(found, cfg.deploy.on_missing_champion_policy)
         if path is not None:
-            model.load_state_dict(load_file(path), strict=True)
+            write_weights(model, load_file(path))
             where = str(path.parent)
         if found is not None:
             found["policy_loaded"] = path is not None
-    if found is not None and found["policy_loaded"]:
-        bump(model)
     tracker.set_tags({"retrain.from_version": (found or {}).get("version", "none"), "retrain.policy": where})
     return found
 
@@ -111,12 +109,11 @@ def load_champion_drafter(drafter, found: dict, cfg, dst: Path) -> Path:
     state.setdefault("d2t", drafter.d2t)  # a full-vocabulary export ships no maps (identity)
     state.setdefault("t2d", drafter.t2d)
     try:
-        drafter.load_state_dict(state, strict=True)
+        write_weights(drafter, state)
     except RuntimeError as err:
         raise RetrainError(f"retrain: the champion's drafter (version {found.get('version')}) does not fit this run's "
                            f"drafter ({str(err).splitlines()[0]}); set drafter.draft_vocab_size and "
                            "drafter.aux_layer_ids as the champion's run had them, or move the alias") from None
-    bump(drafter)
     return local
 
 

@@ -30,7 +30,7 @@ from tlt.faults import fault
 from tlt.rollout.contract import Capabilities, PerWorkerState
 from tlt.rollout.torch_engine.build import build_engine
 from tlt.rollout.batch import RolloutBatch
-from tlt.versions import Synced, bump, version_of
+from tlt.versions import Synced, version_of, write_weights
 from tlt.rollout.workers import merge_batches, shard_sizes
 
 _RESTART_TIMEOUT_S = 300.0  # how long a dead actor may take to come back
@@ -64,11 +64,9 @@ class RolloutActor:
     def load(self, version: int, weights: dict) -> int:
         """Push `version`: the modules whose driver version this actor does not hold yet are loaded
         (and their local version bumped, so the engine refreshes its copies and re-arms its guard)."""
-        with torch.no_grad():
-            for name, module in (("policy", self.model), ("drafter", self.drafter)):
-                if module is not None and self.loaded.get(name) != weights["versions"][name]:
-                    module.load_state_dict(weights[name], strict=True)
-                    bump(module)
+        for name, module in (("policy", self.model), ("drafter", self.drafter)):
+            if module is not None and self.loaded.get(name) != weights["versions"][name]:
+                write_weights(module, weights[name])
         self.loaded = dict(weights["versions"])
         self.version = version
         return version

@@ -21,7 +21,7 @@ from tlt.config import RLConfig, TrainerConfig
 from tlt.device import resolve_device, to_cpu
 from tlt.rl.logprobs import ForwardOut
 from tlt.rl.update import DeepSpeedUpdater, PolicyBatch
-from tlt.versions import bump
+from tlt.versions import write_weights
 from tlt.services import free_port
 
 _NOT_ADDITIVE = ("policy/grad_norm", "policy/lr")  # global values, equal on every rank
@@ -46,7 +46,7 @@ class TrainerRank:
     def join(self, world_size: int, addr: str, port: int, gpus: bool, weights: dict) -> None:
         os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(world_size), MASTER_ADDR=addr, MASTER_PORT=str(port),
                           LOCAL_RANK="0" if gpus else str(self.rank))  # Ray shows each GPU actor one device
-        self.model.load_state_dict(weights, strict=True)
+        write_weights(self.model, weights)
 
     def step(self, batch: PolicyBatch, aux_layer_ids, want_forwards: bool, denom: float):
         forwards = []
@@ -62,8 +62,7 @@ class TrainerRank:
 
     def load(self, weights: dict, optim_states: list[dict]) -> None:
         """Resume: the driver's weights, and every rank's optimizer state (each rank takes its own)."""
-        with torch.no_grad():
-            self.model.load_state_dict(weights, strict=True)
+        write_weights(self.model, weights)
         self.updater.load_state_dict(optim_states)
 
     def state_dict(self) -> dict:
@@ -119,9 +118,7 @@ class RayDeepSpeedUpdater:
         denom = float(batch.response_mask.sum().clamp(min=1)) / self.world_size
         results = ray.get([r.step.remote(padded.slice(i * per, (i + 1) * per), aux_layer_ids, on_forward is not None,
                                          denom) for i, r in enumerate(ranks)])
-        with torch.no_grad():
-            self.model.load_state_dict(results[0][2], strict=True)
-        bump(self.model)  # the rollout pool pushes the new policy version
+        write_weights(self.model, results[0][2])  # the rollout pool pushes the new policy version
         if on_forward is not None:
             for i, (_, forwards, _) in enumerate(results):
                 for s, mb, out in forwards:

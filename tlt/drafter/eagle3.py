@@ -18,6 +18,7 @@ from tlt.atomic import staged_dir
 from tlt.arch import drafter_rope
 from tlt.drafter.model import Eagle3Drafter
 from tlt.errors import UserError
+from tlt.versions import write_weights
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 _NORMS = ["midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -206,7 +207,7 @@ def load_eagle3(path: str | Path, target_model) -> Eagle3Drafter:
     state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
     state.setdefault("d2t", drafter.d2t)  # full-vocabulary exports ship no maps (identity)
     state.setdefault("t2d", drafter.t2d)
-    drafter.load_state_dict(state, strict=True)
+    write_weights(drafter, state)
     head = target_model.get_output_embeddings()
     drafter.target_head = (head.weight if head is not None else embed).detach()
     return drafter.to(embed.device)

@@ -12,7 +12,7 @@ import time
 from tlt.drafter.online import OnlineRefresher, mean_losses
 from tlt.drafter.train import DrafterTrainer
 from tlt.faults import fault
-from tlt.versions import bump
+from tlt.versions import write_weights
 
 
 class DrafterRefresher(OnlineRefresher):
@@ -43,8 +43,7 @@ class DrafterRefresher(OnlineRefresher):
                 "num_steps": self.trainer.num_steps, **self.online_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.drafter.load_state_dict(state["drafter"], strict=True)
-        bump(self.drafter)
+        write_weights(self.drafter, state["drafter"])
         self.trainer.opt.load_state_dict(state["optimizer"])
         self.trainer.num_steps = state["num_steps"]
         self.load_online_state(state)

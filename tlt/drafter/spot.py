@@ -42,7 +42,7 @@ from tlt.drafter.model import Eagle3Drafter
 from tlt.drafter.online import OnlineRefresher, mean_losses
 from tlt.drafter.train import DrafterTrainer
 from tlt.faults import fault
-from tlt.versions import Synced, bump
+from tlt.versions import Synced, write_weights
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _worker(target_config, embed, head, state, dcfg_json: str, vd: int, aux_ids,
 
     cfg = DrafterConfig.model_validate_json(dcfg_json)
     drafter = Eagle3Drafter(target_config, embed, vd, aux_ids)
-    drafter.load_state_dict(state, strict=True)
+    write_weights(drafter, state)
     trainer = DrafterTrainer(drafter, cfg, head)
     writer = _CheckpointWriter(Path(ckpt_dir) if ckpt_dir else None)
     res.put(("ready", None))
@@ -99,7 +99,7 @@ def _worker(target_config, embed, head, state, dcfg_json: str, vd: int, aux_ids,
             trainer.opt.load_state_dict(msg[1]["optimizer"])
             trainer.num_steps = progress.value = msg[1]["num_steps"]
         elif msg[0] == "load":
-            drafter.load_state_dict(state, strict=True)  # main wrote new weights into `state`
+            write_weights(drafter, state)  # main wrote new weights into `state`
         elif msg[0] == "train":
             res.put(("done", _train_until_stop(trainer, drafter, msg[1], state, stop, progress, writer,
                                                cfg.spot_checkpoint_every)))
@@ -221,9 +221,7 @@ class SpotTrainer(OnlineRefresher):
             self._recover()
             metrics = {"drafter/spot_steps": float(self.weights_step - before)}
         else:
-            with torch.no_grad():
-                self.drafter.load_state_dict(self.state, strict=True)
-            bump(self.drafter)  # the tail's new weights: the rollout engines sync by this version
+            write_weights(self.drafter, self.state)  # the tail's new weights: the rollout engines sync by version
             self.weights_step = int(metrics.pop("drafter/num_steps"))
         self.total_steps += int(metrics["drafter/spot_steps"])
         metrics.update({"drafter/steps": float(self.total_steps), "drafter/stop_wait_s": time.perf_counter() - t0,
@@ -271,9 +269,7 @@ class SpotTrainer(OnlineRefresher):
         if path is not None:
             tensors, state, pts = load_checkpoint(path)
             if int(state["num_steps"]) >= self.weights_step:
-                with torch.no_grad():
-                    self.drafter.load_state_dict(tensors["drafter"], strict=True)
-                bump(self.drafter)
+                write_weights(self.drafter, tensors["drafter"])
                 self.weights_step, restored = int(state["num_steps"]), f"checkpoint {path.name}"
             optim = self._optim = load_pt(pts["drafter_optim"])  # older than the weights only if a tail-end save was lost
         with torch.no_grad():
@@ -316,11 +312,10 @@ class SpotTrainer(OnlineRefresher):
 
     def load(self, drafter_state: dict, optim_state: dict | None) -> None:
         """Weights (and optimizer) from elsewhere, e.g. the warm-start: a new timeline of checkpoints."""
+        write_weights(self.drafter, drafter_state)
         with torch.no_grad():
-            self.drafter.load_state_dict(drafter_state, strict=True)
             for k, v in self.drafter.state_dict().items():
                 self.state[k].copy_(v)
-        bump(self.drafter)
         self._clear_checkpoints()  # resumed/warm-started weights start a new timeline
         self.cmd.put(("load",))
         if optim_state is not None:

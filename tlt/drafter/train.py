@@ -35,7 +35,7 @@ from torch import Tensor
 
 from tlt.drafter.model import Eagle3Drafter
 from tlt.precision import autocast
-from tlt.versions import bump
+from tlt.versions import bump, write_weights
 
 Sample = dict[str, Tensor]
 
@@ -292,8 +292,7 @@ class DrafterTrainer:
                 "optimizer": copy.deepcopy(self.opt.state_dict()), "num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.drafter.load_state_dict(state["drafter"], strict=True)
-        bump(self.drafter)
+        write_weights(self.drafter, state["drafter"])
         self.opt.load_state_dict(state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
 

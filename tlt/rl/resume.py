@@ -13,7 +13,7 @@ from pathlib import Path
 from tlt.checkpoint import (capture_rng, drop_blobs, load_checkpoint, load_pt, newest_verified, restore_rng,
                             save_checkpoint, torch_blob)
 from tlt.faults import fault
-from tlt.versions import bump
+from tlt.versions import write_weights
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ def restore_run_state(ctx, root: Path) -> dict | None:
         return None
     tensors, state, pts = load_checkpoint(path)
     state["corrupt_skipped"] = [p.name for p in skipped]
-    ctx.model.load_state_dict(tensors["policy"], strict=True)
-    bump(ctx.model)  # the refresher's load bumps the drafter
+    write_weights(ctx.model, tensors["policy"])  # the refresher's load writes the drafter
     if "policy_optim" in pts:
         ctx.updater.load_state_dict(load_pt(pts["policy_optim"]))
     else:  # an older checkpoint (the newer ones failed verification) kept the weights only: trainer.optimizer_keep

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from tlt.rollout.contract import Capabilities, PerWorkerState, torch_capabilities
 from tlt.rollout.batch import RolloutBatch
 from tlt.rollout.stats import RolloutStats
-from tlt.versions import Synced, bump, version_of
+from tlt.versions import Synced, bump, version_of, write_weights
 
 
 def shard_sizes(n_prompts: int, n_workers: int) -> list[int]:
@@ -69,7 +69,7 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
 
     cfg = RolloutConfig.model_validate_json(rollout_json)
     model = model_cls(model_config)  # random init once, then every tensor replaced by the shared one
-    model.load_state_dict(policy, strict=True, assign=True)
+    write_weights(model, policy, assign=True)
     model.eval()
     drafter = None
     if drafter_args is not None:
@@ -77,7 +77,7 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
 
         target_config, vd, aux_ids, state = drafter_args
         drafter = Eagle3Drafter(target_config, model.get_input_embeddings().weight, vd, aux_ids)
-        drafter.load_state_dict(state, strict=True, assign=True)
+        write_weights(drafter, state, assign=True)
         drafter.eval()
     engine = build_engine(model, cfg, eos_ids, pad_id, drafter, seed=seed, rank=rank)
     res.put((rank, "ready", None))

@@ -15,7 +15,7 @@ from tlt.rl.rewards import checked_rewards, get_reward_fn
 from tlt.rollout.acceptance import heldout_accept_lens
 from tlt.rollout.contract import Engine
 from tlt.summaries import EvalSummary
-from tlt.versions import bump
+from tlt.versions import write_weights
 
 if TYPE_CHECKING:
     from tlt.build import RunParts
@@ -86,9 +86,7 @@ def load_weights(model, drafter, checkpoint: str | Path) -> int:
     """Policy (and drafter, when the run has one and the checkpoint holds it) from a run checkpoint,
     for evaluation; returns the step the checkpoint continues at."""
     tensors, state, _ = load_checkpoint(Path(checkpoint))
-    model.load_state_dict(tensors["policy"], strict=True)
+    write_weights(model, tensors["policy"])
     if "drafter" in tensors and drafter is not None:
-        drafter.load_state_dict(tensors["drafter"], strict=True)
-    for module in (model, drafter):
-        bump(module)  # the engines sync by version
+        write_weights(drafter, tensors["drafter"])
     return steps_done(state)

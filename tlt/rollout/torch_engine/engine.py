@@ -52,6 +52,9 @@ class RolloutEngine(TunerState):
         # (trained by the refresher or the spot trainer), refreshed at each rollout like the policy copy.
         self.drafter_copy = None if self.drafter_master is None else RolloutCopy.of(self.drafter_master, cfg.dtype)
         self.drafter = self.drafter_master if self.drafter_copy is None else self.drafter_copy.module
+        if self.drafter_copy is not None:  # the copy embeds with the policy this engine decodes with, as its master
+            # does: the embedding is the policy's (a buffer outside the drafter's state), so it follows the policy
+            self.drafter.embed_weight = self.model.get_input_embeddings().weight.detach()
         self.ngram = NgramDrafter()
         self.history = PromptHistory(cfg.history_per_prompt if cfg.group_drafts else 0, cfg.history_prompts)
         self.tuner = tuner
