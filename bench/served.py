@@ -34,18 +34,21 @@ def tolerance(n_prompts: int, drafts: float, k: int) -> float:
     return (n_prompts + 2) * k / max(drafts, 1)
 
 
-def torch_side(folder: Path, cfg, prompts: list[list[int]], max_new: int, dtype: str) -> tuple[list, list[int]]:
-    """(greedy completions without EOS, the EOS ids) of the reloaded folder in tlt's torch engine, in
-    the export's precision."""
+def torch_side(folder: Path, cfg, prompts: list[list[int]], max_new: int, dtype: str, k: int) -> tuple:
+    """(greedy completions without EOS, the EOS ids, tlt's accept report one request at a time with
+    the server's chain depth `k`) of the reloaded folder in tlt's torch engine, in the export's precision."""
+    from tlt.config import SpecStrategy
     from tlt.model_folder import load_model_folder
     from tlt.models import eos_token_ids
     from tlt.rollout import RolloutEngine
+    from tlt.rollout.acceptance import measure_accept
 
     model, tok, drafter = load_model_folder(folder)
     engine = RolloutEngine(model, cfg.rollout.model_copy(update={"dtype": dtype, "tuner": False}),
                            eos_token_ids(tok, model), tok.pad_token_id or 0, drafter=drafter)
     out = [engine.generate([p], max_new_tokens=max_new, temperature=0.0, spec=False).response_ids[0] for p in prompts]
-    return [[int(t) for t in ids if t not in engine.eos_ids] for ids in out], engine.eos_ids
+    report = measure_accept(engine, prompts, 0.0, max_new, SpecStrategy(depth=k, topk=1, tokens=k), batch_size=1)
+    return [[int(t) for t in ids if t not in engine.eos_ids] for ids in out], engine.eos_ids, report
 
 
 def measure(cfg, folder: Path, kv_cache_mib: int) -> dict:
@@ -61,12 +64,14 @@ def measure(cfg, folder: Path, kv_cache_mib: int) -> dict:
             vs.serving(folder, extra, Path(tmp) / "vllm-server.log") as server:
         served = vs.query(server, prompts, max_new)
         drafts, accepted = vs.spec_counters(server)
-    ours, eos = torch_side(folder, cfg, prompts, max_new, figures["precision"])
+    ours, eos, report = torch_side(folder, cfg, prompts, max_new, figures["precision"], k)
     same = sum(a == [t for t in s["token_ids"] if t not in eos] for a, s in zip(ours, served))
     served_len = 1 + accepted / max(drafts, 1)
     return {"folder": str(folder), "run_id": figures.get("run_id"), "precision": figures["precision"],
             "num_speculative_tokens": k, "prompts": len(prompts), "max_tokens": max_new,
             "drafts": drafts, "accepted": accepted, "served_accept_len": served_len,
+            "served_tokens": sum(len(x["token_ids"]) for x in served), "tlt_tokens": sum(map(len, ours)),
+            "tlt_accept_len_same_requests": report.accept_len, "tlt_passes_same_requests": report.passes,
             "tlt_accept_len": figures.get("accept_len"), "tlt_accept_strategy": figures.get("draft_strategy"),
             "tolerance": tolerance(len(prompts), drafts, k),
             "served_minus_tlt": served_len - figures["accept_len"] if figures.get("accept_len") else None,
