@@ -114,6 +114,9 @@ def test_workers_exit_on_close():
     model = tiny_model("llama", layers=2, hidden=128, vocab=64, seed=1)
     pool = WorkerPool(model, RolloutConfig(max_new_tokens=4, tuner=True), [2], 0, n_workers=2, threads=1)
     procs = list(pool.procs)
+    # each worker calibrated its own bandit on its own cores before it said ready (rollout.tuner_calibrate)
+    assert all(c is not None and c["seconds"] > 0 and c["buckets"] == RolloutConfig().tuner_buckets
+               for c in pool.calibrations), pool.calibrations
     assert len(pool.generate([[1, 3], [1, 4], [1, 5]], group_size=2, temperature=1.0).response_ids) == 6
     pool.close()
     assert all(not p.is_alive() for p in procs)

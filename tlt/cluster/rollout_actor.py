@@ -47,7 +47,8 @@ class RolloutActor:
         cfg = RolloutConfig.model_validate_json(rollout_json)
         device = "cuda" if ray.get_gpu_ids() else "cpu"  # Ray shows a GPU actor its device(s) only
         self._models(rank, model_cls, model_config, dtype, drafter_args, device)
-        self.engine = build_engine(self.model, cfg, eos_ids, pad_id, self.drafter, seed=seed, rank=rank)
+        self.engine = build_engine(self.model, cfg, eos_ids, pad_id, self.drafter, seed=seed, rank=rank,
+                                   calibrate_vocab=model_config.vocab_size)  # its own cores: its own cost curve
 
     def _models(self, rank: int, model_cls, model_config, dtype: torch.dtype, drafter_args: tuple | None,
                 device: str) -> None:

@@ -12,6 +12,11 @@ playing every untried arm first: plain decoding b / round_s[0], a chain b * E[ac
 E[accept] = 1 + a + ... + a^d at the prior per-token acceptance a = PRIOR_ACCEPT_RATE. So a tier where
 no depth can pay starts on the plain arm and tries SD only when it explores (rate epsilon); the other
 tiers start at the depth the curve favours. Real rewards join each arm's window and take over.
+
+Each engine calibrates once, when it is built (the driver's, every pool worker's, every Ray actor's,
+on the cores it decodes on). Not again after a policy update or a drafter refresh: the curve is the
+cost of forwards of fixed shapes, which new weights of the same architecture do not change; what
+they change is acceptance, which the bandit's windowed rewards track from the next round on.
 """
 from __future__ import annotations
 

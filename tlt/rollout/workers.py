@@ -79,8 +79,9 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
         drafter = Eagle3Drafter(target_config, model.get_input_embeddings().weight, vd, aux_ids)
         write_weights(drafter, state, assign=True)
         drafter.eval()
-    engine = build_engine(model, cfg, eos_ids, pad_id, drafter, seed=seed, rank=rank)
-    res.put((rank, "ready", None))
+    engine = build_engine(model, cfg, eos_ids, pad_id, drafter, seed=seed, rank=rank,
+                          calibrate_vocab=model.config.vocab_size)  # on its own share of the cores
+    res.put((rank, "ready", engine.calibration))  # the cost curve its bandit starts from (None: none)
     while True:
         msg = cmd.get()
         if msg[0] == "exit":
@@ -127,8 +128,10 @@ class WorkerPool(PerWorkerState):
             p.start()
             self.cmds.append(cmd)
             self.procs.append(p)
+        self.calibrations: list[dict | None] = [None] * n_workers  # each worker's own cost curve (tlt.rollout.breakeven)
         for _ in range(n_workers):
-            self._get(300.0)
+            rank, _, curve = self._get(300.0)
+            self.calibrations[rank] = curve
 
     def sleep(self) -> dict[str, float]:
         """Nothing to hand to the update: the workers decode from shared host memory."""

@@ -19,8 +19,9 @@ def worker_seed(seed: int, rank: int | None) -> int:
 def build_engine(model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int, drafter=None, seed: int = 0,
                  rank: int | None = None, calibrate_vocab: int | None = None) -> RolloutEngine:
     """A torch engine over `model` (+ `drafter`), with a bandit seeded by `worker_seed(seed, rank)`
-    when `cfg.tuner`. `calibrate_vocab` (the target's vocabulary size): calibrate the bandit on this
-    machine's cost curve first (tlt.rollout.breakeven, when `tuner_calibrate`); workers skip it."""
+    when `cfg.tuner`. `calibrate_vocab` (the target's vocabulary size): calibrate the bandit on the
+    cost curve of the cores this engine runs on first (tlt.rollout.breakeven, when `tuner_calibrate`):
+    the driver, every pool worker and every Ray actor measure their own."""
     tuner = StrategyTuner.from_config(cfg, seed=worker_seed(seed, rank)) if cfg.tuner else None
     engine = RolloutEngine(model, cfg, eos_ids, pad_id, drafter=drafter, tuner=tuner)
     return calibrated(engine, tuner, cfg, calibrate_vocab) if calibrate_vocab is not None else engine
