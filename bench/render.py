@@ -139,6 +139,12 @@ def status_block(results: dict, prefix: str) -> str:
             batches = " / ".join(str(w["batch"]) for w in r["rows"])
             rows.append(f"| SD vs plain decoding at batch {batches} ({r.get('rollout_dtype', 'float32')} rollout) | "
                         f"{curve}, greedy identical: {r['greedy_identical']} | {where} | {r['machine']} | {link} |")
+        elif suite(r) == "served":
+            rows.append(f"| a run's model folder served by vLLM's OpenAI server (CPU build, {r['precision']}): served "
+                        f"accept length vs tlt's on the same requests | {r['served_accept_len']:.2f} vs "
+                        f"{r['tlt_accept_len_same_requests']:.2f} tokens per verify (K = {r['num_speculative_tokens']}), "
+                        f"greedy completions identical {r['greedy_identical_share']:.0%} | {where} | {r['machine']} | "
+                        f"{link} |")
         elif suite(r) == "adaptive" and "payoff_accept_ratio" in r:
             rows.append(f"| `payoff` drafter schedule vs refreshing every step | held-out accept length "
                         f"{x(r['payoff_accept_ratio'])} at {r['payoff_drafter_time_ratio']:.0%} of the drafter time | "
