@@ -51,6 +51,14 @@ def torch_side(folder: Path, cfg, prompts: list[list[int]], max_new: int, dtype:
     return [[int(t) for t in ids if t not in engine.eos_ids] for ids in out], engine.eos_ids, report
 
 
+def _shown(folder: Path) -> str:
+    """The folder as the result names it: relative to the working directory (no machine paths)."""
+    try:
+        return str(folder.relative_to(Path.cwd()))
+    except ValueError:
+        return folder.name
+
+
 def measure(cfg, folder: Path, kv_cache_mib: int) -> dict:
     from tlt.models import load_tokenizer
 
@@ -67,7 +75,7 @@ def measure(cfg, folder: Path, kv_cache_mib: int) -> dict:
     ours, eos, report = torch_side(folder, cfg, prompts, max_new, figures["precision"], k)
     same = sum(a == [t for t in s["token_ids"] if t not in eos] for a, s in zip(ours, served))
     served_len = 1 + accepted / max(drafts, 1)
-    return {"folder": str(folder), "run_id": figures.get("run_id"), "precision": figures["precision"],
+    return {"folder": _shown(folder), "run_id": figures.get("run_id"), "precision": figures["precision"],
             "num_speculative_tokens": k, "prompts": len(prompts), "max_tokens": max_new,
             "drafts": drafts, "accepted": accepted, "served_accept_len": served_len,
             "served_tokens": sum(len(x["token_ids"]) for x in served), "tlt_tokens": sum(map(len, ours)),

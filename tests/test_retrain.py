@@ -5,6 +5,7 @@ says so); the `champion` alias moves only when neither the policy's held-out acc
 drafter's accept length dropped (planted regressions of each are refused, with the reason)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from safetensors.torch import save_file
 
+from tlt.build import RunParts
 from tlt.config import build_config
 from tlt.drafter.model import build_drafter
 from tlt.errors import UserError
@@ -52,14 +54,17 @@ def _pipeline(tmp_path, uri, *overrides):
     cfg = build_config({}, ["model.name_or_path=tiny:llama", f"trainer.checkpoint_dir={tmp_path / 'runs'}",
                             f"tracking.tracking_uri={uri}", f"export.model_name={NAME}", *overrides])
     pipe = Pipeline(cfg, MlflowTracker("retrain", uri=uri, spool_dir=tmp_path / "spool"), retrain=True)
-    pipe.model = tiny_model(layers=4, seed=1)  # the base policy; prepare() loads it the same way
-    pipe.dataset = SimpleNamespace(heldout=pd.DataFrame({"prompt": ["p"] * HELDOUT}))
+    # the parts prepare() would build, with the base policy loaded the same way (no engine needed here)
+    pipe.parts = RunParts(cfg=pipe.cfg, tracker=pipe.tracker, run_dir=pipe.run_dir, model=tiny_model(layers=4, seed=1),
+                          tokenizer=None, eos_ids=[], drafter=None, engine=None, champion=None)
+    pipe._dataset = SimpleNamespace(heldout=pd.DataFrame({"prompt": ["p"] * HELDOUT}))
     return pipe
 
 
 def _continue_from_champion(pipe) -> None:
     """What `prepare` does when retraining (tlt.build.load_models), on the tiny base policy."""
-    pipe.champion = load_champion_policy(pipe.model, pipe.cfg, pipe.tracker, pipe.run_dir / "champion")
+    pipe.parts = dataclasses.replace(pipe.parts, champion=load_champion_policy(pipe.model, pipe.cfg, pipe.tracker,
+                                                                               pipe.run_dir / "champion"))
 
 
 def _saved_policy(tmp_path) -> tuple[str, dict]:
