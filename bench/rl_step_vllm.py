@@ -53,7 +53,7 @@ def merge(res: dict, runs: dict | None) -> dict:
         arms = [a for a in ARMS.values() if a in runs]
         step = {a: mean([s["step_s"] for s in runs[a]["steps"]]) for a in arms}
         roll = {a: mean([s["rollout_s"] for s in runs[a]["steps"]]) for a in arms}
-        best_vllm = min(step.values())
+        best_vllm = min(step[a] for a in ("vllm_plain", "vllm_spec", "vllm_frozen"))  # the torch side's three arms
         for a in arms[3:]:  # the baselines that ran
             res.update({f"step_s_{a}": step[a], f"rollout_s_{a}": roll[a]})
         res.update(harness.load("rl_step").baseline_keys(step, roll, "vllm_spec", "vllm_"))
