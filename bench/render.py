@@ -212,8 +212,9 @@ def rollout_block(results: dict, prefix: str) -> str:
         return f"Rollout cost curve: {NOT_MEASURED}."
     out = []
     for n, r in runs.items():
-        drafter = "n-gram" if r["drafter"] == "ngram" else "EAGLE-3 export"
-        out += [f"[`{recipe(r)}`]({prefix}/{n}.json): {drafter} drafter, {r['prompts']} prompts, "
+        drafter = {"ngram": "n-gram drafter", "warmstart": "the recipe's warm-started EAGLE-3 drafter (`--drafter "
+                   "warmstart`)"}.get(r["drafter"], "EAGLE-3 export drafter")
+        out += [f"[`{recipe(r)}`]({prefix}/{n}.json): {drafter}, {r['prompts']} prompts, "
                 f"{r['max_new_tokens']} new tokens, rollout dtype {r.get('rollout_dtype', 'float32')}, "
                 f"{r['threads']} threads:", "",
                 "| batch | plain tok/s | SD tok/s | SD / plain | live accept length | HF generate tok/s |",
@@ -226,7 +227,11 @@ def rollout_block(results: dict, prefix: str) -> str:
         if "grpo" in r:
             g = r["grpo"]
             out.append(f"GRPO batch at the rollout temperature (tail switch as configured): plain {g['plain_s']:.2f} s, "
-                       f"SD {g['spec_s']:.2f} s ({x(g['speedup'])}), tail share {g['tail_share']:.2f}.")
+                       f"SD {g['spec_s']:.2f} s ({x(g['speedup'])}), tail share {g['tail_share']:.2f}."
+                       + (f" Against the baselines on the same batch: SD always on {r['rollout_s_always']:.2f} s "
+                          f"(tail SD {x(r['speedup_vs_always'])} faster), best static draft length per tier "
+                          f"{r['rollout_s_static']:.2f} s ({x(r['speedup_vs_static'])})."
+                          if r.get("rollout_s_static") else ""))
     return "\n".join(out)
 
 
