@@ -37,6 +37,11 @@ def recipe(res: dict) -> str:
     return cmd[2] if len(cmd) > 2 else "?"
 
 
+def engine_of(res: dict) -> str:
+    """The rollout engine a result ran on (its command's overrides)."""
+    return "vLLM" if "rollout.backend=vllm" in res["command"] else "torch engine"
+
+
 def x(v: float) -> str:
     return f"{v:.2f}×"
 
@@ -124,6 +129,12 @@ def status_block(results: dict, prefix: str) -> str:
         if suite(r) != "rl_step":
             continue
         link, where = f"[{n}.json]({prefix}/{n}.json)", f"`{recipe(r)}`"
+        if r.get("mode") == "paired":
+            rows.append(f"| tail SD + bandit rollout vs plain / SD always on / best static table, paired on the "
+                        f"same weights and prompts ({engine_of(r)}) | **{x(r['paired_adaptive_vs_plain'])}** / "
+                        f"{x(r['paired_adaptive_vs_always'])} / {x(r['paired_adaptive_vs_static'])} | {where} | "
+                        f"{r['machine']} | {link} |")
+            continue
         rows.append(f"| SD in the whole RL step, frozen / spot-trained drafter vs plain (torch engine) | "
                     f"{x(r['speedup_frozen_vs_plain'])} / {x(r['speedup_vs_plain'])} | {where} | {r['machine']} | {link} |")
         if r.get("speedup_vllm_vs_torch_plain"):
@@ -201,7 +212,7 @@ def paired_block(results: dict, prefix: str) -> str:
             c = r["paired_rollout_ratio"][a]
             ci = f" (95 % CI {c['ci_low']:.2f}–{c['ci_high']:.2f})" if c["ci_low"] is not None else ""
             cells.append(f"{x(c['mean'])}{ci}")
-        out.append(f"| [`{recipe(r)}`]({prefix}/{n}.json) | {r['steps']} | " + " | ".join(cells) + " |")
+        out.append(f"| [`{recipe(r)}`]({prefix}/{n}.json), {engine_of(r)} | {r['steps']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
