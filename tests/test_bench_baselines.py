@@ -107,5 +107,8 @@ def test_paired_results_render_apart_from_the_rl_step_table():
     paired = {"command": "python bench/rl_step.py conf/longtail.yaml --paired", "mode": "paired", "steps": 3,
               "paired_rollout_ratio": {"always": ratio, "static": ratio, "adaptive": {**ratio, "mean": 0.95}}}
     block = render.paired_block({"p": paired}, "results")
-    assert "[`conf/longtail.yaml`](results/p.json) | 3 | 1.10× (95 % CI 0.90–1.30)" in block and "0.95×" in block
+    assert "[`conf/longtail.yaml`](results/p.json), torch engine | 3 | 1.10× (95 % CI 0.90–1.30)" in block
+    assert "0.95×" in block
+    on_vllm = {**paired, "command": paired["command"] + " --set rollout.backend=vllm"}
+    assert "(results/v.json), vLLM | 3 |" in render.paired_block({"v": on_vllm}, "results")
     assert render.rl_step_block({"p": paired}, "results").startswith("Whole RL steps: not measured")
