@@ -34,8 +34,7 @@ class Pipeline:
         self.tokenizer = None  # the data stage needs it before the models load
         self._dataset = None  # validate_data()
         self.parts: build.RunParts | None = None  # prepare()
-        self.refresher = None  # warmstart(), when the run trains a drafter
-        self.warmed = False
+        self.refresher = None  # warmstart(), for every run with a drafter
         self.ctx = self.pool = None  # start_steps()
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
@@ -161,7 +160,6 @@ class Pipeline:
         else:
             summary, trainer = drafting.warmstart(parts, heldout, corpus if corpus is not None else self.build_corpus())
         self.refresher = build.build_refresher(self.cfg, parts.model, parts.drafter, trainer, self.run_dir)
-        self.warmed = True
         return summary
 
     def promote(self, exported: ExportSummary) -> bool:
@@ -179,7 +177,7 @@ class Pipeline:
         that this refuses (`StageOrderError`) instead of running steps that would never train it."""
         if self.ctx is None:
             p = self._parts("start_steps")
-            if p.drafter is not None and not self.warmed:
+            if p.drafter is not None and self.refresher is None:
                 self._need(None, "the warm-started drafter and its refresher", "warmstart", "start_steps")
             engine, self.pool = build.build_rollout(self.cfg, p.model, p.drafter, p.engine, p.eos_ids, p.tokenizer,
                                                     self.run_dir, self.tracker)

@@ -36,7 +36,7 @@ def measure_folder(cfg: RunConfig, folder: Path, prompts: list[str]) -> dict:
     from tlt.device import resolve_device
     from tlt.models import eos_token_ids
     from tlt.rollout.torch_engine.engine import RolloutEngine
-    from tlt.rollout.acceptance import heldout_accept
+    from tlt.rollout.acceptance import heldout_accept_lens
 
     model, tokenizer, drafter = load_model_folder(folder, resolve_device(cfg.trainer.device))
     if tokenizer.pad_token_id is None:
@@ -45,8 +45,7 @@ def measure_folder(cfg: RunConfig, folder: Path, prompts: list[str]) -> dict:
     engine = RolloutEngine(model, rollout, eos_token_ids(tokenizer, model), tokenizer.pad_token_id, drafter=drafter)
     ids = encoder(tokenizer, cfg)(list(prompts[: cfg.drafter.warmstart_eval_prompts]))
     with torch.no_grad():
-        greedy = heldout_accept(engine, ids, cfg, 0.0).accept_len
-        sampled = heldout_accept(engine, ids, cfg, cfg.rollout.temperature or 1.0).accept_len
+        greedy, sampled = heldout_accept_lens(engine, ids, cfg)
     return {"accept_len": round(greedy, 4), "accept_len_sampled": round(sampled, 4)}
 
 
