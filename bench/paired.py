@@ -9,7 +9,9 @@ per arm, back to back, the order rotating per step, with the step's seed:
     plain     SD off
     always    the recipe's fixed strategy at every step (the engine's fixed_strategy)
     static    the best draft length per tier of a sweep at the start (bench/baselines.py), no bandit
-    adaptive  the engine as the run uses it (tail switch, bandit, guard), without the spot trainer
+    adaptive  the engine as the run uses it (tail switch, bandit, guard), without the spot trainer; its
+              prior and tail threshold priced from the start-up cost curve at the warm-started
+              drafter's acceptance (`paired_priced`)
 
 Per step and arm: rollout seconds, tokens generated, seconds per token; per arm the paired ratio
 plain / arm per step with its mean and a 95 % t-interval over the steps (`paired_rollout_ratio`),
@@ -101,4 +103,7 @@ def run_paired(args, out_dir, extra: tuple = ()) -> dict:
             per_step.append(arms)
             print(f"step {step} paired: " + ", ".join(f"{a} {v['rollout_s']:.2f} s" for a, v in arms.items())
                   + f"; RL step {s.step_s:.1f} s", flush=True)
-    return {**summarize(per_step), "paired_static_table": table, "paired_arms": list(ARMS)}
+        cal = pipe.engine.calibration or {}  # what the adaptive arm started from (tlt.rollout.breakeven)
+        priced = {"prior_accept_rate": cal.get("prior_accept_rate"), "tail_threshold": pipe.engine.threshold(),
+                  "pays": cal.get("pays"), "break_even": cal.get("break_even")}
+    return {**summarize(per_step), "paired_static_table": table, "paired_arms": list(ARMS), "paired_priced": priced}

@@ -122,15 +122,16 @@ def main(argv: list[str] | None = None) -> dict:
                                                                     Path("runs") / "bench-vllm"))
     res = {"vllm_start_s": round(start_s, 2), "versions": vllm.versions, "vllm_threads": vllm.threads,
            "torch_threads": torch.get_num_threads(), "prompts": len(prompts), "group_size": r.group_size,
-           "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "spec_threshold": r.spec_threshold,
+           "max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "spec_threshold": vllm.threshold(),
            "depth": r.strategy.depth, "fit_epochs": args.fit_epochs, "vllm_sampled_sd": vllm.sampled_sd}
     torch_plain = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter)
-    torch_tail = RolloutEngine(model, r, eos, tok.pad_token_id, drafter=drafter,
+    # the tail arm of both engines at vLLM's threshold (`auto`: priced from its cost curve at start-up)
+    torch_tail = RolloutEngine(model, r.model_copy(update={"spec_threshold": vllm.threshold()}), eos, tok.pad_token_id, drafter=drafter,
                                tuner=StrategyTuner.from_config(r, seed=cfg.rl.seed) if r.tuner else None)
     kw = dict(prompts=prompts, group_size=r.group_size, temperature=r.temperature, seed=1)
     try:
         vllm.generate(prompts, temperature=0.0, spec_threshold=len(prompts))  # first calls warm vLLM's kernels up
-        res.update(greedy_checks(vllm, torch_plain, prompts, r.spec_threshold))
+        res.update(greedy_checks(vllm, torch_plain, prompts, vllm.threshold()))
         tables = {name: baselines.sweep(eng, prompts, r.tuner_buckets, r.strategy.depth, temperature=r.temperature)
                   for name, eng in (("vllm", vllm), ("torch", torch_plain))}
         torch_static = RolloutEngine(model, r.model_copy(update=baselines.config_update("static", cfg)), eos,

@@ -23,6 +23,7 @@ from tlt.preflight import check_run_inputs
 from tlt.pipeline import Pipeline
 from tlt.provenance import source_tags
 from tlt.report import close_report
+from tlt.stages.warmstart import prior_line
 from tlt.summaries import DataSummary, EvalSummary, ExportSummary, ModelSummary, StepSummary, WarmstartSummary
 from tlt.tracking import find_run, make_tracker
 
@@ -95,6 +96,8 @@ def warmstart_drafter(run_id: str) -> WarmstartSummary:
     get_run_logger().info(f"drafter warm-start: held-out accept length (fixed chain, greedy) {s.accept_len_before:.2f} "
                           f"-> {s.accept_len_after:.2f}, {s.train_steps} steps on {s.corpus_tokens} corpus tokens"
                           f"{' (cached corpus)' if s.cached else ''} in {s.time_s:.0f} s")
+    if line := prior_line(s.prior_accept_rate, s.tail_threshold):
+        get_run_logger().info(line)
     create_table_artifact([s.model_dump()], key="warmstart", description="held-out accept length before/after warm-start")
     return s
 

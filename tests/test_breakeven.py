@@ -7,7 +7,8 @@ import pytest
 from tlt.config import RolloutConfig, SpecStrategy
 from tlt.models import tiny_model
 from tlt.rollout import RolloutEngine
-from tlt.rollout.breakeven import CostCurve, calibrate, expected_accept, measure, seed
+from tlt.rollout.breakeven import (DEFAULT_THRESHOLD, NO_BOUND, CostCurve, calibrate, expected_accept, measure,
+                                   rate_of, reprice, seed, tail_threshold)
 from tlt.rollout.tuner import PLAIN, StrategyTuner
 
 C1, C2 = SpecStrategy(depth=1, topk=1, tokens=1), SpecStrategy(depth=2, topk=1, tokens=2)
@@ -71,7 +72,8 @@ def test_measure_and_calibrate_on_a_tiny_engine():
     assert curve.round_s[1][1] is None and all(s > 0 for r in curve.round_s for s in r if s is not None)
     assert engine.tuner is tuner and all(len(r) == 0 for b in tuner.rewards for r in b)  # measuring is not playing
     summary = calibrate(engine, tuner, vocab_size=64)
-    assert all(len(r) == 1 for b in tuner.rewards for r in b)  # one predicted reward per arm: nothing untried
+    assert all(v is not None for b in range(2) for v in tuner.values(b))  # one predicted reward per arm: nothing untried
+    assert all(len(r) == 0 for b in tuner.rewards for r in b)  # a prior, not a played reward
     assert len(summary["can_pay"]) == 2 and summary["seconds"] > 0
 
 
@@ -85,5 +87,70 @@ def test_calibrated_only_when_asked():
     assert engine.calibration is None and all(len(r) == 0 for r in tuner.rewards[0])
     on = cfg.model_copy(update={"tuner_calibrate": True})
     assert calibrated(engine, tuner, on, 64).calibration["can_pay"] is not None
-    assert all(len(r) == 1 for r in tuner.rewards[0])
+    assert tuner.prior is not None and all(v is not None for v in tuner.values(0))
     assert calibrated(engine, None, on, 64).calibration is None  # no bandit, nothing to seed
+
+
+def test_rate_of_inverts_expected_accept():
+    for depth in (1, 2, 4):
+        for rate in (0.0, 0.3, 0.6, 0.95):
+            assert rate_of(expected_accept(depth, rate), depth) == pytest.approx(rate, abs=1e-9)
+    assert rate_of(0.5, 3) == pytest.approx(0.0) and rate_of(9.0, 3) == pytest.approx(1.0)  # clamped
+    with pytest.raises(ValueError, match="depth"):
+        rate_of(1.5, 0)
+
+
+# Three tiers: at batch 1 a depth-2 round costs 1.5 plain steps, at batch 2 2.2, at batch 5 2.9 (break-even
+# accept lengths). At rate 0.6 a depth-2 chain emits 1.96 tokens: it pays at batch 1 only; at 0.9 (2.71) at
+# batches 1 and 2; at 1.0 (3 tokens) everywhere; at 0.2 (1.24) nowhere.
+TIERS = CostCurve([1, 2, 5], [[0.04, None, 0.06], [0.05, None, 0.11], [0.1, None, 0.29]])
+
+
+@pytest.mark.parametrize("rate, threshold", [(0.2, 0), (0.6, 1), (0.9, 4), (1.0, NO_BOUND)])
+def test_tail_threshold_is_the_widest_paying_run_of_tiers(rate, threshold):
+    arms = [[PLAIN, C2]] * 3
+    assert TIERS.tail_threshold(arms, rate) == threshold
+    tuner = StrategyTuner([[PLAIN, C2] for _ in range(3)], [1, 2, 5], epsilon=0.1)
+    cal = reprice(tuner, TIERS.summary(), rate)
+    assert cal["tail_threshold"] == threshold and cal["prior_accept_rate"] == rate
+    assert tail_threshold("auto", cal) == threshold and tail_threshold(3, cal) == 3  # a number wins
+    # the bandit starts where the curve says: SD in the paying tiers, plain in the others
+    assert [not tuner.choose(low).plain for low in (1, 2, 5)] == cal["pays"]
+
+
+def test_reprice_replaces_the_prior_and_keeps_played_rewards():
+    tuner = StrategyTuner([[PLAIN, C2] for _ in range(3)], [1, 2, 5], epsilon=0.0)
+    reprice(tuner, TIERS.summary(), 0.9)
+    assert tuner.choose(2) == C2
+    tuner.update(2, PLAIN, 30.0, seconds=1.0)  # played: plain measured well below the SD prior
+    reprice(tuner, TIERS.summary(), 0.2)  # the drafter measured poorly: SD's prior drops under plain's
+    assert tuner.choose(2) == PLAIN and list(tuner.rewards[1][0]) == [30.0]
+    state = tuner.state()
+    again = StrategyTuner([[PLAIN, C2] for _ in range(3)], [1, 2, 5], epsilon=0.0)
+    again.load_state(state)
+    assert again.prior == tuner.prior and again.values(1) == tuner.values(1)  # the prior is checkpointed
+
+
+def test_auto_threshold_without_a_curve_is_the_default():
+    assert tail_threshold("auto", None) == DEFAULT_THRESHOLD
+
+
+def test_an_engine_decodes_with_its_calibrated_threshold():
+    """`spec_threshold: auto` on a torch engine: SD starts when the re-priced threshold says, a number overrides."""
+    from tlt.rollout.breakeven import calibrated
+
+    model = tiny_model("llama", layers=2, hidden=64, vocab=64, seed=1)
+    cfg = RolloutConfig(max_new_tokens=6, temperature=0.0, tuner=True, drafter="ngram", tuner_plain_arm=True)
+    assert RolloutEngine(model, cfg, eos_ids=[], pad_id=0, tuner=StrategyTuner.from_config(cfg)).threshold() \
+        == DEFAULT_THRESHOLD  # not calibrated
+    tuner = StrategyTuner.from_config(cfg)
+    engine = calibrated(RolloutEngine(model, cfg, eos_ids=[], pad_id=0, tuner=tuner), tuner, cfg, 64)
+    engine.set_accept_prior(0.0)  # nothing is ever accepted: SD cannot pay in any tier
+    assert engine.calibration["tail_threshold"] == 0 and engine.threshold() == 0 and engine.threshold(5) == 5
+    prompts = [[5, 6, 7, 8]] * 3
+    out = engine.generate(prompts)
+    assert out.stats.spec_steps == 0 and out.stats.tail_time_s == 0  # never in the tail: SD never ran
+    engine.set_accept_prior(1.0)  # every draft accepted: a round of depth d pays unless it costs d + 1 steps
+    curve = CostCurve.from_summary(engine.calibration)
+    assert engine.threshold() == curve.tail_threshold(tuner.arms, 1.0) >= 1 and engine.calibration["prior_accept_rate"] == 1.0
+    assert engine.generate(prompts[:1]).stats.spec_steps > 0

@@ -121,3 +121,15 @@ def test_gpu_recipes_train_fp32_masters_with_vllm_on_cuda_graphs():
 def test_workers_with_vllm_backend_is_refused():
     with pytest.raises(ConfigError, match="rollout.workers: 1 with rollout.backend: vllm"):
         load_config(ROOT / "conf" / "smoke.yaml", ["rollout.workers=2", "rollout.backend=vllm"])
+
+
+def test_a_union_value_error_names_the_key_once():
+    """rollout.spec_threshold is a number or `auto`: a bad value gets one line naming the key (not pydantic's
+    member tags) with both accepted forms."""
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=["rollout.spec_threshold=-2"])
+    text = str(err.value)
+    assert "invalid value for 'rollout.spec_threshold': " in text and "'auto'" in text and "greater than or equal to 0" in text
+    assert "constrained-int" not in text and text.count("invalid value") == 1
+    assert build_config(overrides=["rollout.spec_threshold=4"]).rollout.spec_threshold == 4
+    assert RunConfig().rollout.spec_threshold == "auto"

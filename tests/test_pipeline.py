@@ -7,6 +7,7 @@ import pytest
 
 from tlt.config import load_config
 from tlt.pipeline import Pipeline, StageOrderError
+from tlt.rollout.breakeven import rate_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,12 @@ def test_a_stage_before_its_inputs_refuses(tmp_path):
 
 
 def test_resume_then_rl_step_returns_samples_and_export_measures_the_folder(pipe):
-    pipe.warmstart()  # builds the drafter's refresher: the steps train the drafter (drafter.where sequential)
+    ws = pipe.warmstart()  # builds the drafter's refresher: the steps train the drafter (drafter.where sequential)
+    # the bandit's prior is priced at the drafter's measured sampled acceptance (tlt.rollout.breakeven)
+    assert ws.prior_accept_rate == pytest.approx(rate_of(ws.accept_len_sampled, pipe.cfg.drafter.eval_strategy.depth))
+    cal = pipe.engine.calibration
+    assert cal["prior_accept_rate"] == ws.prior_accept_rate and cal["tail_threshold"] == ws.tail_threshold
+    assert pipe.engine.threshold() == pipe.cfg.rollout.spec_threshold == 8  # a configured number is kept
     assert pipe.resume() == 0  # builds the steps' parts itself
     assert pipe.ctx.refresher is not None
     s = pipe.rl_step(0)

@@ -175,7 +175,7 @@ def test_tail_event_matches_torch_engine(setup):
     ref_out = torch_engine.generate(prompts, temperature=0.0, spec=False, on_tail=calls["torch"].append)
     assert out.response_ids == ref_out.response_ids
     assert calls["vllm"] == calls["torch"] and len(calls["vllm"]) == 1, calls
-    assert 0 < calls["vllm"][0] <= engine.cfg.spec_threshold
+    assert 0 < calls["vllm"][0] <= engine.threshold()
 
 
 def test_drafter_sync_accepts_and_counts(setup):
@@ -258,7 +258,7 @@ def test_tail_switch_drafts_only_in_the_tail(setup):
     from tlt.rollout.torch_engine.engine import RolloutEngine
 
     target, _, engine, _ = setup
-    t = engine.cfg.spec_threshold
+    t = engine.threshold()
     prompts, stops = _few_long(target, 8, t)
     ref = RolloutEngine(target, _rollout_cfg(spec=False), stops, pad_id=0).generate(prompts, temperature=0.0, spec=False)
     lengths = sorted(map(len, ref.response_ids))

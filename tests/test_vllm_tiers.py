@@ -76,7 +76,7 @@ def test_probe_catches_a_corrupted_drafter_export(setup, monkeypatch, how):
 
 
 def _tail_prompts(engine, target):
-    t = engine.cfg.spec_threshold
+    t = engine.threshold()
     prompts, stops = _few_long(target, 8, t)  # a tail of t long answers (batch size t: tier [t, t])
     return prompts, stops
 

@@ -117,6 +117,10 @@ def test_workers_exit_on_close():
     # each worker calibrated its own bandit on its own cores before it said ready (rollout.tuner_calibrate)
     assert all(c is not None and c["seconds"] > 0 and c["buckets"] == RolloutConfig().tuner_buckets
                for c in pool.calibrations), pool.calibrations
+    # the drafter's measured acceptance reaches every worker, each re-pricing its own curve (threshold: 0 at rate 0)
+    first = pool.set_accept_prior(0.0)
+    assert first is pool.calibrations[0] and all(c["prior_accept_rate"] == 0.0 and c["tail_threshold"] == 0
+                                                 for c in pool.calibrations), pool.calibrations
     assert len(pool.generate([[1, 3], [1, 4], [1, 5]], group_size=2, temperature=1.0).response_ids) == 6
     pool.close()
     assert all(not p.is_alive() for p in procs)

@@ -35,6 +35,7 @@ class Pipeline:
         self._dataset = None  # validate_data()
         self.parts: build.RunParts | None = None  # prepare()
         self.refresher = None  # warmstart(), for every run with a drafter
+        self.accept_prior: float | None = None  # warmstart(): the drafter's per-token acceptance (tlt.rollout.breakeven)
         self.ctx = self.pool = None  # start_steps()
         self.record = RunRecord()
         self.evals: list[tuple[int, float]] = []
@@ -160,6 +161,9 @@ class Pipeline:
         else:
             summary, trainer = drafting.warmstart(parts, heldout, corpus if corpus is not None else self.build_corpus())
         self.refresher = build.build_refresher(self.cfg, parts.model, parts.drafter, trainer, self.run_dir)
+        self.accept_prior = drafting.accept_prior(self.cfg, summary)  # the pools of start_steps get it too
+        summary.prior_accept_rate = self.accept_prior
+        summary.tail_threshold = drafting.price_prior(parts.engine, self.accept_prior, self.tracker)
         return summary
 
     def promote(self, exported: ExportSummary) -> bool:
@@ -181,6 +185,8 @@ class Pipeline:
                 self._need(None, "the warm-started drafter and its refresher", "warmstart", "start_steps")
             engine, self.pool = build.build_rollout(self.cfg, p.model, p.drafter, p.engine, p.eos_ids, p.tokenizer,
                                                     self.run_dir, self.tracker)
+            if engine is not p.engine:  # workers or actors: each re-prices its own curve at the drafter's acceptance
+                drafting.price_prior(engine, self.accept_prior, self.tracker)
             self.ctx = build.build_steps(self.cfg, p.model, p.tokenizer, self.dataset.train, engine,
                                          self.refresher, self.pool)
         return self.ctx

@@ -45,6 +45,10 @@ class WarmstartSummary(BaseModel):
     accept_len_after: float
     accept_len_sampled: float | None = None  # at the rollout temperature
     vocab_coverage: float | None = None      # share of held-out greedy tokens inside the draft vocabulary
+    # The rollout bandit's prior, priced from the sampled figure (tlt.rollout.breakeven): per-token acceptance
+    # and the tail threshold `rollout.spec_threshold: auto` resolves to on this machine (None: no cost curve).
+    prior_accept_rate: float | None = None
+    tail_threshold: int | None = None
     corpus_key: str = ""
     corpus_tokens: int = 0
     corpus_sequences: int = 0

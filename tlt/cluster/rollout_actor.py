@@ -83,6 +83,11 @@ class RolloutActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def set_accept_prior(self, rate: float) -> dict | None:
+        """Re-price this engine's bandit from its own cost curve; its calibration after it."""
+        self.engine.set_accept_prior(rate)
+        return self.engine.calibration
+
     def capabilities(self) -> Capabilities:
         """This actor's engine's (the pool reports them, less what stays in the actors)."""
         return self.engine.capabilities
@@ -100,6 +105,8 @@ class RayRolloutPool(PerWorkerState):
         self.version, self.rollout_version, self.rollout_drafter_version, self.restarts = -1, -1, 0, 0
         self._synced, self._ref = None, None
         self._tails, self._calls = None, 0  # the queue actors' tail starts reach the driver by (created on demand)
+        self._prior: float | None = None  # the accept prior sent (a restarted actor gets it again)
+        self.calibrations: list[dict | None] = [None] * self.n
         c = placement.cfg
         env = {k: os.environ[k] for k in _ACTOR_ENV if k in os.environ}
         self._dargs = None if self._drafter is None else (self._drafter.draft_vocab_size, self._drafter.aux_layer_ids)
@@ -165,6 +172,11 @@ class RayRolloutPool(PerWorkerState):
                                  checkpoint="")
         return self._caps
 
+    def _broadcast_prior(self, rate: float) -> list[dict | None]:
+        """Every actor re-prices its bandit at `rate` (and again after a restart); their calibrations."""
+        self._prior = rate
+        return ray.get([a.set_accept_prior.remote(rate) for a in self.actors])
+
     def _submit(self, rank: int, shard: tuple):
         return self.actors[rank].generate.remote(*shard)
 
@@ -196,6 +208,8 @@ class RayRolloutPool(PerWorkerState):
         while True:
             try:
                 ray.get(self.actors[rank].load.remote(self.version, self._ref))
+                if self._prior is not None:
+                    ray.get(self.actors[rank].set_accept_prior.remote(self._prior))
                 return
             except ActorUnavailableError:  # still restarting
                 if time.monotonic() > deadline:

@@ -47,8 +47,14 @@ def _explain(err: ValidationError) -> str:
         elif e["type"] == "value_error" and isinstance(e.get("input"), dict):  # a check across keys: says the fix
             lines.append(f"invalid '{key}': {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"invalid value for '{key}': {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r});"
-                         " fix the value")
+            loc = [str(p) for p in e["loc"]]
+            while len(loc) > 1 and ".".join(loc) not in valid:  # a union's member tag ('constrained-int'): its key
+                loc.pop()
+            key, msg = ".".join(loc), e["msg"].removeprefix("Value error, ")
+            if lines and lines[-1].startswith(f"invalid value for '{key}': "):  # another member of the same union
+                lines[-1] = lines[-1].replace(" (got ", f", or {msg[0].lower()}{msg[1:]} (got ", 1)
+            else:
+                lines.append(f"invalid value for '{key}': {msg} (got {e.get('input')!r}); fix the value")
     return "\n".join(lines)
 
 

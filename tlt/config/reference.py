@@ -5,7 +5,7 @@ when it is stale."""
 from __future__ import annotations
 
 import types
-from typing import Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -32,6 +32,8 @@ STAGES = {
 
 
 def _type_name(ann: Any) -> str:
+    if get_origin(ann) is Annotated:  # a constrained type (int >= 0): its base type
+        return _type_name(get_args(ann)[0])
     if getattr(ann, "__origin__", None) is Literal:
         return " / ".join(str(a) for a in ann.__args__)
     if getattr(ann, "__origin__", None) is Union or isinstance(ann, types.UnionType):  # X | None, bool | Literal

@@ -7,7 +7,7 @@ key and the nearest valid name.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import Field, field_validator, model_validator
@@ -183,7 +183,10 @@ class RolloutConfig(Stage):
     temperature: float = Field(0.7, ge=0, description="Sampling temperature (0 = greedy)")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling")
     spec: bool = Field(True, description="Use speculative decoding")
-    spec_threshold: int = Field(8, ge=0, description="SD on when running sequences <= this")
+    spec_threshold: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto", description="SD on when running sequences <= this (the tail switch). auto: the largest batch size at "
+        "which this machine's cost curve, measured at engine start, says SD pays at the drafter's measured "
+        "acceptance (tlt.rollout.breakeven; 8 where no curve is measured, e.g. rollout.tuner_calibrate false)")
     spec_patience: int = Field(0, ge=0, description="SD switches on only after this many consecutive decode steps "
                                "at or under spec_threshold (TLT uses 10 on GPUs; 0 = at once)")
     drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")

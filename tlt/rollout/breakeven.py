@@ -13,6 +13,18 @@ E[accept] = 1 + a + ... + a^d at the prior per-token acceptance a = PRIOR_ACCEPT
 no depth can pay starts on the plain arm and tries SD only when it explores (rate epsilon); the other
 tiers start at the depth the curve favours. Real rewards join each arm's window and take over.
 
+The tail threshold (`rollout.spec_threshold: auto`, the default) comes from the same curve: SD runs
+while at most `tail_threshold` sequences decode, the upper edge of the widest run of tiers, from the
+smallest batch up, in which some SD arm's predicted reward beats plain decoding's at the prior
+acceptance (0: SD pays in no tier, it never runs; the last tier pays: no bound). An engine without a
+curve (calibration off, no bandit) uses DEFAULT_THRESHOLD; a number in the config is used as it is.
+
+Once the run knows its drafter (after the warm-start, or a champion's load), the prior is re-priced
+from what the drafter measured: the held-out accept length at the rollout temperature, with the fixed
+`drafter.eval_strategy` chain, gives the per-token rate (`rate_of`), and `reprice` seeds the bandit
+and moves the threshold with it (the engines' `set_accept_prior`). A drafter that accepts too little
+on sampled text to pay on this machine so starts the run with SD off (explored at rate epsilon only).
+
 Each engine calibrates once, when it is built (the driver's, every pool worker's, every Ray actor's,
 on the cores it decodes on). Not again after a policy update or a drafter refresh: the curve is the
 cost of forwards of fixed shapes, which new weights of the same architecture do not change; what
@@ -25,17 +37,31 @@ import time
 from dataclasses import dataclass
 
 from tlt.config import SpecStrategy
-from tlt.rollout.tuner import StrategyTuner
+from tlt.rollout.tuner import PLAIN, StrategyTuner
 
 # Per-token acceptance assumed before any round is verified (a warm-started drafter on its own policy's
 # text accepts ~0.5-0.8 per position on the recipes; its rewards replace this as rounds are played).
 PRIOR_ACCEPT_RATE = 0.6
+DEFAULT_THRESHOLD = 8  # `spec_threshold: auto` on an engine without a measured curve
+NO_BOUND = 1 << 20  # a tail threshold above any batch: SD at every batch size
 
 
 def expected_accept(depth: int, rate: float) -> float:
     """Mean tokens per row of a chain round of `depth` drafts when each is accepted with `rate` (given
     the ones before it were): 1 + rate + ... + rate^depth."""
     return sum(rate ** i for i in range(depth + 1))
+
+
+def rate_of(accept_len: float, depth: int) -> float:
+    """The per-token acceptance at which a depth-`depth` chain emits `accept_len` tokens per round
+    (`expected_accept`'s inverse on [0, 1]; accept lengths outside [1, depth + 1] are clamped)."""
+    if depth < 1:
+        raise ValueError(f"rate_of needs a drafting depth >= 1, got {depth}")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accept(depth, mid) < accept_len else (lo, mid)
+    return (lo + hi) / 2
 
 
 @dataclass
@@ -75,6 +101,24 @@ class CostCurve:
             return b / self.round_s[tier][0]
         d, s = self._at(tier, arm.depth, arm.source)
         return b * expected_accept(d, rate) / s
+
+    def pays(self, tier: int, arms: list[SpecStrategy], rate: float) -> bool:
+        """Some SD arm of the tier is predicted to emit more tokens per second than plain decoding."""
+        plain = self.predicted_reward(tier, PLAIN)
+        return any(self.predicted_reward(tier, a, rate) > plain for a in arms if not a.plain)
+
+    def tail_threshold(self, arms: list[list[SpecStrategy]], rate: float) -> int:
+        """`spec_threshold: auto` (see the module doc): the largest batch size of the widest run of
+        paying tiers from the smallest up; 0 when the first tier does not pay, NO_BOUND when all do."""
+        for tier in range(len(self.buckets)):
+            if not self.pays(tier, arms[tier], rate):
+                return self.buckets[tier] - 1 if tier else 0
+        return NO_BOUND
+
+    @classmethod
+    def from_summary(cls, summary: dict) -> "CostCurve":
+        """The curve back from `summary()` (an engine keeps the summary)."""
+        return cls(list(summary["buckets"]), summary["round_s"], summary.get("seconds", 0.0), summary.get("ngram_s"))
 
     def summary(self) -> dict:
         """JSON-able: the curves, break-even per tier and measured depth, which tiers can pay, seconds."""
@@ -134,17 +178,32 @@ def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 8, 
 
 
 def seed(tuner: StrategyTuner, curve: CostCurve, rate: float = PRIOR_ACCEPT_RATE) -> None:
-    """One predicted reward per arm and tier (see the module doc), so no arm counts as untried."""
-    for tier, arms in enumerate(tuner.arms):
-        for i, arm in enumerate(arms):
-            tuner.rewards[tier][i].append(curve.predicted_reward(tier, arm, rate))
+    """One predicted reward per arm and tier, the bandit's prior (see the module doc), so no arm counts
+    as untried; a later call replaces it (real rewards are kept)."""
+    tuner.prior = [[curve.predicted_reward(tier, arm, rate) for arm in arms] for tier, arms in enumerate(tuner.arms)]
+
+
+def reprice(tuner: StrategyTuner, calibration: dict, rate: float) -> dict:
+    """Seed `tuner` from the engine's curve (its `calibration`) at per-token acceptance `rate`; the
+    calibration with the rate and the tail threshold that follow (what the engine keeps)."""
+    curve = CostCurve.from_summary(calibration)
+    seed(tuner, curve, rate)
+    return {**calibration, "prior_accept_rate": rate, "tail_threshold": curve.tail_threshold(tuner.arms, rate),
+            "pays": [curve.pays(t, arms, rate) for t, arms in enumerate(tuner.arms)]}
 
 
 def calibrate(engine, tuner: StrategyTuner, vocab_size: int) -> dict:
-    """`measure` on `engine`, then `seed` its bandit; the curve's summary (kept by the engine, for reports)."""
-    curve = measure(engine, tuner, vocab_size)
-    seed(tuner, curve)
-    return curve.summary()
+    """`measure` on `engine`, then seed its bandit at PRIOR_ACCEPT_RATE; the curve's summary with the
+    prior and its tail threshold (`reprice`; kept by the engine, for reports and the threshold)."""
+    return reprice(tuner, measure(engine, tuner, vocab_size).summary(), PRIOR_ACCEPT_RATE)
+
+
+def tail_threshold(configured: int | str, calibration: dict | None) -> int:
+    """The tail threshold an engine decodes with: `rollout.spec_threshold` when it is a number; for
+    `auto`, the calibration's (`reprice`), or DEFAULT_THRESHOLD on an engine without one."""
+    if configured != "auto":
+        return int(configured)
+    return int(calibration["tail_threshold"]) if calibration else DEFAULT_THRESHOLD
 
 
 def calibrated(engine, tuner: StrategyTuner | None, r, vocab_size: int):

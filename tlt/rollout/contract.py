@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 from tlt.config import RolloutConfig, SpecStrategy
+from tlt.rollout.breakeven import reprice, tail_threshold
 
 if TYPE_CHECKING:
     from tlt.rollout.batch import RolloutBatch
@@ -103,6 +104,12 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`'s output (keys the engine does not hold are ignored)."""
 
+    def set_accept_prior(self, rate: float) -> dict | None:
+        """The drafter's measured per-token acceptance (tlt.rollout.breakeven.rate_of of the held-out
+        sampled accept length): the bandit's prior and the `auto` tail threshold are re-priced from
+        the engine's cost curve at it (tlt.rollout.breakeven.reprice). Returns the calibration after it
+        (a pool: its first worker's), None where the engine has no curve (then nothing changes)."""
+
     def close(self) -> None:
         """Stop what the engine started (worker processes, actors, the vLLM worker); idempotent, a
         no-op for the in-process torch engine."""
@@ -185,7 +192,20 @@ def swapped(obj, **attrs):
 
 class TunerState:
     """`state_dict` / `load_state_dict` of an engine whose checkpointed state is its bandit (`self.tuner`,
-    None without one): the torch engine and vLLM."""
+    None without one): the torch engine and vLLM; its cost curve (`calibration`, tlt.rollout.breakeven),
+    the prior re-priced from it and the tail threshold it decodes with."""
+
+    calibration: dict | None = None  # set by tlt.rollout.breakeven.calibrated
+
+    def set_accept_prior(self, rate: float) -> dict | None:
+        """Re-price the bandit's prior and the `auto` tail threshold at per-token acceptance `rate`."""
+        if self.tuner is not None and self.calibration:
+            self.calibration = reprice(self.tuner, self.calibration, rate)
+        return self.calibration
+
+    def threshold(self, override: int | None = None) -> int:
+        """This call's tail threshold: `override`, else `rollout.spec_threshold` (its calibrated value for `auto`)."""
+        return tail_threshold(self.cfg.spec_threshold, self.calibration) if override is None else override
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this engine: {"tuner": the bandit's state} ({} without a tuner)."""
@@ -199,7 +219,12 @@ class TunerState:
 
 class PerWorkerState:
     """The pools' side of the contract (worker pool, Ray pools): each worker keeps its own config and
-    bandit, which run checkpoints do not hold, and a fixed-strategy measurement is refused."""
+    bandit, which run checkpoints do not hold, and a fixed-strategy measurement is refused; the
+    accept prior goes to every worker (`_broadcast_prior`), each re-pricing from its own curve."""
+
+    def set_accept_prior(self, rate: float) -> dict | None:
+        self.calibrations = self._broadcast_prior(rate)
+        return next((c for c in self.calibrations if c), None)
 
     def state_dict(self) -> dict:
         return {}

@@ -4,7 +4,9 @@ Batch sizes fall into buckets by lower bound (default 1, 2, 5, 21). Each bucket 
 (depth x topk x tokens); longer drafts for smaller batches, as in TLT's 48/32/16/8 tokens, scaled
 down to chains for CPU (see `_DEFAULT_TABLE`); optionally a plain-decoding arm (`PLAIN`), so a bucket where drafting costs more
 than it saves learns to turn SD off. Reward of one round = tokens emitted (accept length x batch size) / round time;
-an arm's value is the median of its last `window` rewards. Untried arms are played first.
+an arm's value is the median of its last `window` rewards, with its prior (one predicted reward per arm,
+set by the start-up calibration, tlt.rollout.breakeven) counted as one of them. Untried arms (no
+reward, no prior) are played first.
 
 Regret (`regret()`, logged as `spec/regret/{bucket}` and `spec/regret`): per bucket, the seconds the
 bandit's choices took minus the seconds the best arm in hindsight would have taken to emit the same
@@ -77,6 +79,7 @@ class StrategyTuner:
         self.epsilon, self.window = epsilon, window
         self.rng = random.Random(seed)
         self.rewards = [[deque(maxlen=window) for _ in arms] for arms in self.arms]
+        self.prior: list[list[float]] | None = None  # per bucket, per arm: a predicted reward (tlt.rollout.breakeven.seed)
         self.spent = _zero_totals(self.arms)  # per bucket, per arm: [seconds, tokens] of timed updates
 
     @classmethod
@@ -114,8 +117,10 @@ class StrategyTuner:
         return keys.index(_key(arm))
 
     def values(self, bucket: int) -> list[float | None]:
-        """Median reward per arm of a bucket (None = never tried)."""
-        return [statistics.median(r) if r else None for r in self.rewards[bucket]]
+        """Median reward per arm of a bucket, the prior counted as one (None = never tried, no prior)."""
+        prior = self.prior[bucket] if self.prior is not None else [None] * len(self.rewards[bucket])
+        return [statistics.median([*r, *([p] if p is not None else [])]) if r or p is not None else None
+                for r, p in zip(self.rewards[bucket], prior)]
 
     def best(self, batch_size: int) -> SpecStrategy:
         b = self.bucket_of(batch_size)
@@ -160,7 +165,7 @@ class StrategyTuner:
         version, internal, gauss = self.rng.getstate()
         return {"buckets": list(self.buckets), "epsilon": self.epsilon, "window": self.window,
                 "arms": [[a.model_dump() for a in arms] for arms in self.arms],
-                "rewards": [[list(r) for r in bucket] for bucket in self.rewards],
+                "rewards": [[list(r) for r in bucket] for bucket in self.rewards], "prior": self.prior,
                 "best": [self.arm_index(low, self.best(low)) for low in self.buckets],
                 "spent": [[list(a) for a in bucket] for bucket in self.spent],
                 "rng": [version, list(internal), gauss]}
@@ -170,6 +175,7 @@ class StrategyTuner:
         self.epsilon, self.window = float(state["epsilon"]), int(state["window"])
         self.arms = [[SpecStrategy(**a) for a in arms] for arms in state["arms"]]
         self.rewards = [[deque(r, maxlen=self.window) for r in bucket] for bucket in state["rewards"]]
+        self.prior = state.get("prior")  # checkpoints from before the prior was kept apart: none
         # checkpoints from before the regret was kept restart its totals at zero
         self.spent = [[list(map(float, a)) for a in bucket] for bucket in state["spent"]] if "spent" in state \
             else _zero_totals(self.arms)

@@ -86,6 +86,10 @@ def _worker(rank: int, model_cls, model_config, policy: dict, drafter_args, roll
         msg = cmd.get()
         if msg[0] == "exit":
             return
+        if msg[0] == "prior":  # re-price the bandit from this worker's own curve
+            engine.set_accept_prior(msg[1])
+            res.put((rank, "prior", engine.calibration))
+            continue
         prompts, kwargs, now = msg[1], msg[2], msg[3]
         for name, module in (("policy", model), ("drafter", drafter)):
             if now[name] != versions[name]:  # the trainer wrote the shared tensors: this engine's copy is stale
@@ -165,6 +169,16 @@ class WorkerPool(PerWorkerState):
                         copied += 1
         self._synced.take(policy=self._model, drafter=self._drafter)
         return {"rollout/sync_tensors_copied": float(copied)}
+
+    def _broadcast_prior(self, rate: float) -> list[dict | None]:
+        """Every worker re-prices its bandit at `rate`; their calibrations after it."""
+        for cmd in self.cmds:
+            cmd.put(("prior", rate))
+        out: list[dict | None] = [None] * self.n
+        for _ in range(self.n):
+            rank, _, curve = self._get(60.0)
+            out[rank] = curve
+        return out
 
     def _get(self, timeout: float):
         deadline = time.monotonic() + timeout

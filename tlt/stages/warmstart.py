@@ -13,6 +13,7 @@ from tlt.summaries import WarmstartSummary
 from tlt.distill import fingerprint
 from tlt.distill import warmstart as warmstart_drafter
 from tlt.rollout.acceptance import heldout_accept
+from tlt.rollout.breakeven import NO_BOUND, rate_of
 
 if TYPE_CHECKING:
     from tlt.build import RunParts
@@ -51,5 +52,43 @@ def champion_drafter(parts: RunParts, heldout_prompts: list[list[int]]) -> tuple
     local = retraining.load_champion_drafter(drafter, parts.champion, cfg, parts.run_dir / "champion")
     trainer = DrafterTrainer(drafter, cfg.drafter, parts.model.get_output_embeddings().weight)
     acc = heldout_accept(parts.engine, heldout_prompts, cfg, 0.0).accept_len
-    return WarmstartSummary(accept_len_before=acc, accept_len_after=acc, n_samples=0, n_tokens=0, train_steps=0,
-                            time_s=time.perf_counter() - t0, cached=True, path=str(local)), trainer
+    sampled = heldout_accept(parts.engine, heldout_prompts, cfg, cfg.rollout.temperature or 1.0).accept_len
+    return WarmstartSummary(accept_len_before=acc, accept_len_after=acc, accept_len_sampled=sampled, n_samples=0,
+                            n_tokens=0, train_steps=0, time_s=time.perf_counter() - t0, cached=True,
+                            path=str(local)), trainer
+
+
+def accept_prior(cfg, summary: WarmstartSummary) -> float | None:
+    """The per-token acceptance the rollout's bandit starts from (tlt.rollout.breakeven.rate_of): of the
+    held-out accept length at the rollout temperature (greedy for a greedy rollout), measured with the
+    fixed `drafter.eval_strategy` chain; None when that was not measured."""
+    accept = summary.accept_len_after if cfg.rollout.temperature == 0 else summary.accept_len_sampled
+    depth = cfg.drafter.eval_strategy.depth
+    return rate_of(accept, depth) if accept is not None and depth >= 1 else None
+
+
+def price_prior(engine, rate: float | None, tracker, step: int = 0) -> int | None:
+    """Give `engine` (the run's, or the RL steps' pool) the drafter's measured acceptance `rate`: its
+    bandit's prior and its `auto` tail threshold follow (tlt.rollout.breakeven.reprice). Logs
+    spec/prior_accept_rate and spec/tail_threshold; returns that threshold (None: the engine has no
+    cost curve, e.g. rollout.tuner_calibrate false, and nothing moved)."""
+    if rate is None:
+        return None
+    curve = engine.set_accept_prior(rate)
+    if curve is None:
+        return None
+    threshold = int(curve["tail_threshold"])
+    tracker.log_metrics({"spec/prior_accept_rate": rate, "spec/tail_threshold": float(threshold)}, step=step)
+    return threshold
+
+
+def prior_line(rate: float | None, threshold: int | None) -> str:
+    """After the warm-start: where the rollout will speculate, priced from this machine's cost curve at the
+    drafter's measured acceptance (tlt.rollout.breakeven); '' when no curve was measured."""
+    if rate is None or threshold is None:
+        return ""
+    where = ("off in every tier (it cannot pay here at this acceptance; tried at rollout.tuner_epsilon only)"
+             if threshold == 0 else "at every batch size" if threshold >= NO_BOUND
+             else f"while <= {threshold} sequences decode")
+    return (f"speculation priced from this machine's cost curve at the drafter's held-out acceptance "
+            f"{rate:.2f} per draft: SD {where}")

@@ -116,7 +116,7 @@ class RolloutEngine(TunerState):
                     temperature=cfg.temperature if temperature is None else temperature,
                     top_p=cfg.top_p if top_p is None else top_p)
         use_spec = cfg.spec if spec is None else spec
-        threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
+        threshold = self.threshold(spec_threshold)
         calls0 = self.forward_calls
         if capture is not None and use_spec:
             raise ValueError("generate(capture=...) records plain decoding only: pass spec=False")

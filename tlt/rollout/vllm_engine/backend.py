@@ -172,7 +172,7 @@ class VllmRolloutEngine(TunerState):
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.") if dtype == "auto" else dtype
         kv_cache_mib = kv_cache_mib or kv_cache_budget_mib(model.config, dtype, max_model_len + self.k, max_num_seqs)
         reply = self._rpc("init", target_dir=str(policy_dir), drafter_dir=drafter_dir and str(drafter_dir),
-                          method=self.method, k=self.k, threshold=cfg.spec_threshold, dtype=dtype,
+                          method=self.method, k=self.k, threshold=self.threshold(), dtype=dtype,
                           max_model_len=max_model_len + self.k, kv_cache_mib=kv_cache_mib,
                           max_num_seqs=max_num_seqs, seed=seed, options=cfg.vllm.model_dump() | {"colocated": colocated})
         self.start_s, self.versions, self.threads = reply["start_s"], reply["versions"], reply["threads"]
@@ -319,7 +319,7 @@ class VllmRolloutEngine(TunerState):
         """
         self.sync()
         cfg = self.cfg
-        threshold = cfg.spec_threshold if spec_threshold is None else spec_threshold
+        threshold = self.threshold(spec_threshold)
         temperature = cfg.temperature if temperature is None else temperature
         sd = self._sd_options(cfg.spec if spec is None else spec, threshold, temperature)
         guard = self.guard if cfg.guard_patience else None  # 0: off (also in `fixed_strategy`)
