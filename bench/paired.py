@@ -16,7 +16,8 @@ per arm, back to back, the order rotating per step, with the step's seed:
 Per step and arm: rollout seconds, tokens generated, seconds per token; per arm the paired ratio
 plain / arm per step with its mean and a 95 % t-interval over the steps (`paired_rollout_ratio`),
 and the same for seconds per generated token (`paired_token_ratio`; arms may emit different lengths
-when a sampled call draws other tokens). One engine per run (rollout.workers 1); either backend
+when a sampled call draws other tokens); the run's bandit's regret summed over buckets after the last
+step (`paired_regret_s`: its adaptive arm and the run's own rollouts). One engine per run (rollout.workers 1); either backend
 (`--set rollout.backend=vllm`).
 """
 import copy
@@ -67,6 +68,8 @@ def step_arms(pipe, step: int, table: dict) -> dict:
         secs, tokens = time.perf_counter() - t0, sum(map(len, batch.response_ids))
         out[arm] = {"rollout_s": secs, "tokens": tokens, "s_per_token": secs / max(tokens, 1),
                     "accept_len": batch.stats.accept_len, "enabled_share": batch.stats.enabled_share}
+        if arm == "adaptive" and batch.stats.regret is not None:  # the run's bandit, cumulative (its own rollouts too)
+            out[arm]["regret_s"] = sum(batch.stats.regret.values())
     return out
 
 
@@ -80,6 +83,7 @@ def summarize(per_step: list[dict]) -> dict:
     res.update({f"paired_adaptive_vs_{b}": float(np.mean([s[b]["rollout_s"] / s["adaptive"]["rollout_s"]
                                                           for s in per_step])) for b in baselines.BASELINES})
     res["paired_adaptive_vs_plain"] = ad
+    res["paired_regret_s"] = per_step[-1]["adaptive"].get("regret_s") if per_step else None  # summed over buckets
     return res
 
 

@@ -134,8 +134,15 @@ class Pipeline:
     def evaluate(self, step: int, sd: str = "config", accept: bool = True) -> EvalSummary:
         """Held-out accuracy, records and (with a drafter, unless `accept` is off: the export measures
         them on the exported folder) held-out accept lengths, logged at `step`."""
-        summary = evaluation.evaluate(self._parts("evaluate"), self.dataset.heldout, step, sd, accept)
+        parts = self._parts("evaluate")
+        summary = evaluation.evaluate(parts, self.dataset.heldout, step, sd, accept)
         self.evals.append((step, summary.accuracy))
+        rate = drafting.accept_prior(self.cfg, summary.accept_len, summary.accept_len_sampled)
+        if rate is not None and self.refresher is not None:  # the drafter moved: speculation is priced again
+            self.accept_prior = rate
+            steps = self.ctx.engine if self.ctx is not None and self.ctx.engine is not parts.engine else None
+            for engine in (parts.engine, steps) if steps is not None else (parts.engine,):
+                drafting.price_prior(engine, rate, self.tracker, step)
         return summary
 
     def load_weights(self, checkpoint: str | Path) -> int:
@@ -161,8 +168,8 @@ class Pipeline:
         else:
             summary, trainer = drafting.warmstart(parts, heldout, corpus if corpus is not None else self.build_corpus())
         self.refresher = build.build_refresher(self.cfg, parts.model, parts.drafter, trainer, self.run_dir)
-        self.accept_prior = drafting.accept_prior(self.cfg, summary)  # the pools of start_steps get it too
-        summary.prior_accept_rate = self.accept_prior
+        summary.prior_accept_rate = self.accept_prior = drafting.accept_prior(
+            self.cfg, summary.accept_len_after, summary.accept_len_sampled)  # the pools of start_steps get it too
         summary.tail_threshold = drafting.price_prior(parts.engine, self.accept_prior, self.tracker)
         return summary
 

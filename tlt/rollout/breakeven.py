@@ -1,8 +1,8 @@
 """Calibrate before exploring (`rollout.tuner_calibrate`): the cost curve of this machine, the break-even
 accept length per batch-size tier, and the bandit seeded from them.
 
-At engine start, a few short greedy calls per tier (`rollout.tuner_buckets`, at the tier's lowest batch
-size, on random prompts) time one decode step (depth 0) and one SD round at the shallowest and the
+At engine start, a few short calls per tier at the rollout temperature (`rollout.tuner_buckets`, at the
+tier's lowest batch size, on random prompts) time one decode step (depth 0) and one SD round at the shallowest and the
 deepest chain the tier's arms draft (the engine's `fixed_strategy`: draft + verify, every step a
 round); the depths between are interpolated. A round of depth
 d emits at most d + 1 tokens per row where a plain step emits 1, so the tier's break-even accept length
@@ -134,10 +134,11 @@ def _chain(depth: int, source: str = "drafter") -> SpecStrategy:
     return SpecStrategy(depth=depth, topk=1, tokens=depth, source=source)
 
 
-def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, source: str = "drafter") -> float:
-    """Seconds per decode step (depth 0) or SD round of one greedy call, prefill excluded where the
-    engine times it (the torch engine); vLLM counts its prefill as one of the call's steps."""
-    kw = dict(max_new_tokens=new_tokens, temperature=0.0, seed=0)
+def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, source: str = "drafter",
+            temperature: float = 0.0) -> float:
+    """Seconds per decode step (depth 0) or SD round of one call at `temperature`, prefill excluded where
+    the engine times it (the torch engine); vLLM counts its prefill as one of the call's steps."""
+    kw = dict(max_new_tokens=new_tokens, temperature=temperature, seed=0)
     if depth == 0:
         out = engine.generate(prompts, spec=False, **kw)
     else:
@@ -151,25 +152,26 @@ def _step_s(engine, prompts: list[list[int]], depth: int, new_tokens: int, sourc
 
 
 def measure(engine, tuner: StrategyTuner, vocab_size: int, prompt_len: int = 8, new_tokens: int = 4,
-            seed: int = 0) -> CostCurve:
+            seed: int = 0, temperature: float = 0.0) -> CostCurve:
     """The curve at the tuner's tiers: the plain step, and per draft source the shallowest and deepest
     chain among the tier's arms; the depths between are interpolated (a round's cost is linear in its
     depth: d drafter forwards and d + 1 verified tokens per row). Each tier's batch is warmed up first
-    (a batch size's first call pays one-off allocations, which would inflate the plain step)."""
+    (a batch size's first call pays one-off allocations, which would inflate the plain step). Calls run
+    at `temperature`, the rollout's: sampling and rejection sampling have their own cost."""
     t0, rng = time.perf_counter(), random.Random(seed)
     prompts = [[rng.randrange(3, max(4, min(vocab_size, 4096))) for _ in range(prompt_len)]
                for _ in range(max(tuner.buckets))]
     rows, ngram = [], []
     for tier, low in enumerate(tuner.buckets):
-        _step_s(engine, prompts[:low], 0, 2)  # warm-up at this batch size
-        plain = _step_s(engine, prompts[:low], 0, new_tokens)
+        _step_s(engine, prompts[:low], 0, 2, temperature=temperature)  # warm-up at this batch size
+        plain = _step_s(engine, prompts[:low], 0, new_tokens, temperature=temperature)
         for source, out in (("drafter", rows), ("ngram", ngram)):
             depths = sorted({a.depth for a in tuner.arms[tier] if not a.plain and a.source == source})
             row: list[float | None] = [None] * (max(depths, default=0) + 1)
             row[0] = plain if source == "drafter" else None
             if depths:
                 lo, hi = depths[0], depths[-1]
-                ends = {d: _step_s(engine, prompts[:low], d, new_tokens, source) for d in {lo, hi}}
+                ends = {d: _step_s(engine, prompts[:low], d, new_tokens, source, temperature) for d in {lo, hi}}
                 for d in depths:
                     row[d] = ends[lo] + (ends[hi] - ends[lo]) * (d - lo) / (hi - lo) if hi > lo else ends[lo]
             out.append(row)
@@ -192,10 +194,10 @@ def reprice(tuner: StrategyTuner, calibration: dict, rate: float) -> dict:
             "pays": [curve.pays(t, arms, rate) for t, arms in enumerate(tuner.arms)]}
 
 
-def calibrate(engine, tuner: StrategyTuner, vocab_size: int) -> dict:
-    """`measure` on `engine`, then seed its bandit at PRIOR_ACCEPT_RATE; the curve's summary with the
-    prior and its tail threshold (`reprice`; kept by the engine, for reports and the threshold)."""
-    return reprice(tuner, measure(engine, tuner, vocab_size).summary(), PRIOR_ACCEPT_RATE)
+def calibrate(engine, tuner: StrategyTuner, vocab_size: int, temperature: float = 0.0) -> dict:
+    """`measure` on `engine` at `temperature`, then seed its bandit at PRIOR_ACCEPT_RATE; the curve's summary
+    with the prior and its tail threshold (`reprice`; kept by the engine, for reports and the threshold)."""
+    return reprice(tuner, measure(engine, tuner, vocab_size, temperature=temperature).summary(), PRIOR_ACCEPT_RATE)
 
 
 def tail_threshold(configured: int | str, calibration: dict | None) -> int:
@@ -209,5 +211,6 @@ def tail_threshold(configured: int | str, calibration: dict | None) -> int:
 def calibrated(engine, tuner: StrategyTuner | None, r, vocab_size: int):
     """`engine`, its bandit `tuner` calibrated first when `rollout.tuner_calibrate` (with SD on and a bandit);
     `engine.calibration`: the curve's summary (None when not calibrated)."""
-    engine.calibration = calibrate(engine, tuner, vocab_size) if r.spec and r.tuner_calibrate and tuner else None
+    engine.calibration = calibrate(engine, tuner, vocab_size, r.temperature) \
+        if r.spec and r.tuner_calibrate and tuner else None
     return engine

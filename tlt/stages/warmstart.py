@@ -58,11 +58,12 @@ def champion_drafter(parts: RunParts, heldout_prompts: list[list[int]]) -> tuple
                             path=str(local)), trainer
 
 
-def accept_prior(cfg, summary: WarmstartSummary) -> float | None:
-    """The per-token acceptance the rollout's bandit starts from (tlt.rollout.breakeven.rate_of): of the
-    held-out accept length at the rollout temperature (greedy for a greedy rollout), measured with the
-    fixed `drafter.eval_strategy` chain; None when that was not measured."""
-    accept = summary.accept_len_after if cfg.rollout.temperature == 0 else summary.accept_len_sampled
+def accept_prior(cfg, greedy: float | None, sampled: float | None) -> float | None:
+    """The per-token acceptance the rollout's bandit is priced at (tlt.rollout.breakeven.rate_of): of the
+    held-out accept length at the rollout temperature (`sampled`; `greedy` for a greedy rollout), as the
+    warm-start and every evaluation measure it with the fixed `drafter.eval_strategy` chain; None when
+    that was not measured."""
+    accept = greedy if cfg.rollout.temperature == 0 else sampled
     depth = cfg.drafter.eval_strategy.depth
     return rate_of(accept, depth) if accept is not None and depth >= 1 else None
 
@@ -87,7 +88,7 @@ def prior_line(rate: float | None, threshold: int | None) -> str:
     drafter's measured acceptance (tlt.rollout.breakeven); '' when no curve was measured."""
     if rate is None or threshold is None:
         return ""
-    where = ("off in every tier (it cannot pay here at this acceptance; tried at rollout.tuner_epsilon only)"
+    where = ("off (it cannot pay on this machine at this acceptance; priced again at each evaluation)"
              if threshold == 0 else "at every batch size" if threshold >= NO_BOUND
              else f"while <= {threshold} sequences decode")
     return (f"speculation priced from this machine's cost curve at the drafter's held-out acceptance "
