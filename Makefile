@@ -50,7 +50,7 @@ test-ray: venv
 	RAY_AUTH_MODE=disabled $(BIN)/python -m pytest -q -m ray tests/test_ray.py tests/test_ray_e2e.py tests/test_ray_vllm.py
 
 test-vllm: venv
-	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py tests/test_vllm_arch.py tests/test_vllm_serve.py tests/test_vllm_backend.py tests/test_vllm_tiers.py tests/test_vllm_sampled.py tests/test_bench_rl.py
+	bash bench/vllm_venv.sh && $(BIN)/python -m pytest -q -s -m vllm tests/test_vllm.py tests/test_vllm_arch.py tests/test_vllm_serve.py tests/test_vllm_backend.py tests/test_vllm_run.py tests/test_vllm_tiers.py tests/test_vllm_sampled.py tests/test_bench_rl.py
 
 # The Prefect and MLflow UIs rendered in headless Chromium. Installs Debian's chromium when missing;
 # if that fails (no root, no apt) the test skips instead of failing.

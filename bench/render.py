@@ -150,6 +150,9 @@ def status_block(results: dict, prefix: str) -> str:
             batches = " / ".join(str(w["batch"]) for w in r["rows"])
             rows.append(f"| SD vs plain decoding at batch {batches} ({r.get('rollout_dtype', 'float32')} rollout) | "
                         f"{curve}, greedy identical: {r['greedy_identical']} | {where} | {r['machine']} | {link} |")
+        elif suite(r) == "vllm_rollout" and r.get("k0_tax"):
+            rows.append(f"| vLLM engine built with SD, decoding with SD off, vs one built without SD (the K = 0 tax) | "
+                        f"{x(1 / r['k0_tax'])} of plain | {where} | {r['machine']} | {link} |")
         elif suite(r) == "served":
             rows.append(f"| a run's model folder served by vLLM's OpenAI server (CPU build, {r['precision']}): served "
                         f"accept length vs tlt's on the same requests | {r['served_accept_len']:.2f} vs "
@@ -199,19 +202,31 @@ def rl_step_block(results: dict, prefix: str) -> str:
         "\n\nMeans over steps 1..N-1; machines and commands in the index above."
 
 
+def threshold_text(t) -> str:
+    """A tail threshold as the run decoded with it (`auto`: priced; 1 << 20: no bound)."""
+    return "—" if t is None else "none (SD off)" if t == 0 else "every batch" if t >= 1 << 20 else f"≤ {t}"
+
+
 def paired_block(results: dict, prefix: str) -> str:
-    """bench/rl_step.py --paired: per arm, the paired rollout ratio plain / arm with its 95 % interval."""
+    """bench/rl_step.py --paired: per arm, the paired rollout ratio plain / arm with its 95 % interval; the
+    adaptive arm's priced start (acceptance, tail threshold), its token ratio and the bandit's regret."""
     runs = {n: r for n, r in results.items() if suite(r) == "rl_step" and r.get("mode") == "paired"}
     if not runs:
         return f"Paired mode: {NOT_MEASURED}."
-    out = ["| recipe | steps | " + " | ".join(f"plain / {a} (rollout)" for a in ("always", "static", "adaptive")) + " |",
-           "|---|---|---|---|---|"]
+    out = ["| recipe | steps | " + " | ".join(f"plain / {a} (rollout)" for a in ("always", "static", "adaptive"))
+           + " | plain / adaptive (s per token) | adaptive: priced at / tail threshold | bandit regret |",
+           "|---|---|---|---|---|---|---|---|"]
     for n, r in runs.items():
         cells = []
-        for a in ("always", "static", "adaptive"):
-            c = r["paired_rollout_ratio"][a]
+        for c in [r["paired_rollout_ratio"][a] for a in ("always", "static", "adaptive")] + \
+                 [r["paired_token_ratio"]["adaptive"]]:
             ci = f" (95 % CI {c['ci_low']:.2f}–{c['ci_high']:.2f})" if c["ci_low"] is not None else ""
             cells.append(f"{x(c['mean'])}{ci}")
+        priced = r.get("paired_priced") or {}
+        rate = priced.get("prior_accept_rate")
+        cells.append(f"{'—' if rate is None else f'{rate:.2f} / draft'} / {threshold_text(priced.get('tail_threshold'))}")
+        regret = r.get("paired_regret_s")
+        cells.append("—" if regret is None else f"{regret:.1f} s")
         out.append(f"| [`{recipe(r)}`]({prefix}/{n}.json), {engine_of(r)} | {r['steps']} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -285,7 +300,27 @@ def drift_block(results: dict, prefix: str) -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"index": index_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
+def vllm_block(results: dict, prefix: str) -> str:
+    """bench/vllm_rollout.py: the tail arm over plain / always / static on each engine, same prompts, and the
+    K = 0 tax (the SD-built vLLM engine with SD off against an engine built without SD)."""
+    runs = {n: r for n, r in results.items() if suite(r) == "vllm_rollout"}
+    if not runs:
+        return f"vLLM rollout arms and the K = 0 tax: {NOT_MEASURED}."
+    out = ["| recipe | engine | tail threshold | tail SD vs plain / always / static | greedy identical | K = 0 tax |",
+           "|---|---|---|---|---|---|"]
+    for n, r in runs.items():
+        tax = r.get("k0_tax")
+        for eng in ("vllm", "torch"):
+            vs = [r[f"rollout_s_{eng}_{b}"] / r[f"rollout_s_{eng}_tail"] for b in ("plain", "always", "static")]
+            cell = (f"{r['rollout_s_vllm_k0']:.2f} s vs {r['rollout_s_vllm_plain_engine']:.2f} s: "
+                    f"{x(1 / tax)} of plain" if eng == "vllm" and tax else "—")
+            out.append(f"| [`{recipe(r)}`]({prefix}/{n}.json) | {'vLLM' if eng == 'vllm' else 'torch engine'} | "
+                       f"{threshold_text(r.get('spec_threshold'))} | " + " / ".join(x(v) for v in vs)
+                       + f" | {'yes' if r.get('greedy_identical') else 'no'} | {cell} |")
+    return "\n".join(out)
+
+
+BLOCKS = {"index": index_block, "vllm": vllm_block, "precision": precision_block, "parity": parity_block, "rl_step": rl_step_block,
           "paired": paired_block,
           "rollout": rollout_block, "schedules": schedules_block, "drift": drift_block, "status": status_block}
 

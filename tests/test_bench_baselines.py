@@ -85,6 +85,10 @@ def test_paired_interval_and_ratios_by_hand():
     assert res["paired_token_ratio"]["static"]["mean"] == pytest.approx((0.4 / 0.2 + 0.6 / 0.15) / 2)
     assert res["paired_adaptive_vs_always"] == pytest.approx((1.0 + 2.0) / 2)
     assert res["paired_adaptive_vs_plain"] == pytest.approx(2.0)
+    assert res["paired_regret_s"] is None  # no bandit regret recorded
+    steps = [step(4.0, 2.0, 4.0, 2.0), step(6.0, 6.0, 3.0, 3.0)]
+    steps[0]["adaptive"]["regret_s"], steps[1]["adaptive"]["regret_s"] = 0.5, 1.25  # cumulative: the last one
+    assert paired.summarize(steps)["paired_regret_s"] == 1.25
 
 
 @pytest.mark.slow
@@ -97,7 +101,11 @@ def test_paired_mode_on_smoke(tmp_path):
         assert set(step) == {"plain", "always", "static", "adaptive"}
         assert all(v["tokens"] > 0 and v["rollout_s"] > 0 for v in step.values())
         assert step["plain"]["enabled_share"] == 0 and step["always"]["enabled_share"] > 0
+        assert step["adaptive"]["regret_s"] >= 0  # the run's bandit's, summed over buckets
     assert res["paired_rollout_ratio"]["adaptive"]["n"] == 2
+    assert res["paired_regret_s"] == res["paired_steps"][-1]["adaptive"]["regret_s"]
+    # smoke's spec_threshold is a number (8): the run decodes with it; the prior is the warm-start's measured one
+    assert res["paired_priced"]["tail_threshold"] == 8 and 0 <= res["paired_priced"]["prior_accept_rate"] <= 1
     assert res["paired_rollout_ratio"]["always"]["ci_low"] is not None  # two steps: an interval
 
 
@@ -105,10 +113,30 @@ def test_paired_results_render_apart_from_the_rl_step_table():
     render = load_bench("render")
     ratio = {"mean": 1.1, "ci_low": 0.9, "ci_high": 1.3, "n": 3}
     paired = {"command": "python bench/rl_step.py conf/longtail.yaml --paired", "mode": "paired", "steps": 3,
-              "paired_rollout_ratio": {"always": ratio, "static": ratio, "adaptive": {**ratio, "mean": 0.95}}}
+              "paired_rollout_ratio": {"always": ratio, "static": ratio, "adaptive": {**ratio, "mean": 0.95}},
+              "paired_token_ratio": {"adaptive": {**ratio, "mean": 1.02}},
+              "paired_priced": {"prior_accept_rate": 0.4567, "tail_threshold": 4}, "paired_regret_s": 3.21}
     block = render.paired_block({"p": paired}, "results")
     assert "[`conf/longtail.yaml`](results/p.json), torch engine | 3 | 1.10× (95 % CI 0.90–1.30)" in block
-    assert "0.95×" in block
+    assert "0.95×" in block and "| 1.02× (95 % CI 0.90–1.30) | 0.46 / draft / ≤ 4 | 3.2 s |" in block
+    none = {**paired, "paired_priced": {"prior_accept_rate": 0.2, "tail_threshold": 0}, "paired_regret_s": None}
+    assert "0.20 / draft / none (SD off) | — |" in render.paired_block({"p": none}, "results")
+    assert "/ every batch |" in render.paired_block(
+        {"p": {**paired, "paired_priced": {"prior_accept_rate": 0.9, "tail_threshold": 1 << 20}}}, "results")
     on_vllm = {**paired, "command": paired["command"] + " --set rollout.backend=vllm"}
     assert "(results/v.json), vLLM | 3 |" in render.paired_block({"v": on_vllm}, "results")
     assert render.rl_step_block({"p": paired}, "results").startswith("Whole RL steps: not measured")
+
+
+def test_vllm_rollout_results_render_arms_and_the_k0_tax():
+    render = load_bench("render")
+    r = {"command": "python bench/vllm_rollout.py conf/default.yaml --fit-epochs 40", "spec_threshold": 4,
+         "greedy_identical": True, "k0_tax": 1.25, "rollout_s_vllm_k0": 5.0, "rollout_s_vllm_plain_engine": 4.0,
+         "machine": "m", **{f"rollout_s_{e}_{a}": v for e in ("vllm", "torch")
+                           for a, v in (("tail", 2.0), ("plain", 2.2), ("always", 3.0), ("static", 2.1))}}
+    block = render.vllm_block({"v": r}, "results")
+    assert "| [`conf/default.yaml`](results/v.json) | vLLM | ≤ 4 | 1.10× / 1.50× / 1.05× | yes | 5.00 s vs 4.00 s: 0.80× of plain |" \
+        in block
+    assert "| torch engine | ≤ 4 | 1.10× / 1.50× / 1.05× | yes | — |" in block
+    assert "the K = 0 tax) | 0.80× of plain |" in render.status_block({"v": r}, "results")
+    assert render.vllm_block({}, "results").endswith("not measured in committed results.")

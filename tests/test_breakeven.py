@@ -100,10 +100,10 @@ def test_rate_of_inverts_expected_accept():
         rate_of(1.5, 0)
 
 
-# Three tiers: at batch 1 a depth-2 round costs 1.5 plain steps, at batch 2 2.2, at batch 5 2.9 (break-even
+# Three tiers: at batch 1 a depth-2 round costs 1.5 plain steps, at batch 2 2.2, at batch 5 2.8 (break-even
 # accept lengths). At rate 0.6 a depth-2 chain emits 1.96 tokens: it pays at batch 1 only; at 0.9 (2.71) at
-# batches 1 and 2; at 1.0 (3 tokens) everywhere; at 0.2 (1.24) nowhere.
-TIERS = CostCurve([1, 2, 5], [[0.04, None, 0.06], [0.05, None, 0.11], [0.1, None, 0.29]])
+# batches 1 and 2; at 1.0 (3 tokens, 7 % over 2.8) everywhere; at 0.2 (1.24) nowhere.
+TIERS = CostCurve([1, 2, 5], [[0.04, None, 0.06], [0.05, None, 0.11], [0.1, None, 0.28]])
 
 
 @pytest.mark.parametrize("rate, threshold", [(0.2, 0), (0.6, 1), (0.9, 4), (1.0, NO_BOUND)])
@@ -154,3 +154,24 @@ def test_an_engine_decodes_with_its_calibrated_threshold():
     curve = CostCurve.from_summary(engine.calibration)
     assert engine.threshold() == curve.tail_threshold(tuner.arms, 1.0) >= 1 and engine.calibration["prior_accept_rate"] == 1.0
     assert engine.generate(prompts[:1]).stats.spec_steps > 0
+
+
+def test_the_run_says_where_it_will_speculate():
+    from tlt.stages.warmstart import prior_line
+
+    assert prior_line(None, 4) == "" and prior_line(0.5, None) == ""  # nothing priced: nothing said
+    assert "SD off" in prior_line(0.2, 0) and "0.20 per draft" in prior_line(0.2, 0)
+    assert "while <= 4 sequences decode" in prior_line(0.6, 4)
+    assert "at every batch size" in prior_line(0.95, NO_BOUND)
+
+
+def test_a_tier_pays_only_by_the_margin():
+    """A predicted gain under PAY_MARGIN (the curve's own error) does not move the threshold past the tier."""
+    from tlt.rollout.breakeven import PAY_MARGIN
+
+    curve = CostCurve([1, 5], [[0.04, 0.05], [0.1, 0.15]])  # batch 5: depth 1 breaks even at 1.5
+    arms = [[PLAIN, C1]] * 2
+    # accept lengths 1 + rate of 2.5 % and 10 % over the break-even
+    thin, clear = 1.5 * (1 + PAY_MARGIN / 2) - 1, 1.5 * (1 + 2 * PAY_MARGIN) - 1
+    assert curve.pays(1, arms[1], clear) and not curve.pays(1, arms[1], thin)
+    assert curve.tail_threshold(arms, thin) == 4 and curve.tail_threshold(arms, clear) == NO_BOUND

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tlt.config import SpecStrategy
+from tlt.rollout.acceptance import measure_accept
 from tlt.versions import bump, write_weights
 
 from test_vllm_backend import EOS, K, MAX_NEW, VLLM_PY, _few_long, _prompts, _rollout_cfg, _tied_target
@@ -159,10 +161,48 @@ def test_every_tier_off_rebuilds_a_plain_engine_until_a_new_drafter(setup):
         assert not engine.sd_built and engine.rebuilds == rebuilds + 1 and engine.guard.tripped == 1
         plain = engine.generate(prompts, temperature=0.0)  # SD asked for, none possible: a plain engine
         assert plain.stats.vllm["drafts"] == 0 and plain.response_ids == outs[0].response_ids
+        # a held-out accept length still measures the drafter: SD is built for the block, plain again after it
+        rep = measure_accept(engine, prompts[:2], max_new_tokens=MAX_NEW, strategy=SpecStrategy(depth=1, topk=1, tokens=1))
+        assert rep.passes > 0 and rep.accept_len >= 1.0 and not engine.sd_built
+        assert engine.rebuilds == rebuilds + 3
         write_weights(drafter, {"lm_head.weight": head}, strict=False)
         metrics = engine.sync()
-        assert engine.sd_built and metrics["rollout/vllm_rebuilds"] == rebuilds + 2 and engine.guard.tripped == 0
+        assert engine.sd_built and metrics["rollout/vllm_rebuilds"] == rebuilds + 4 and engine.guard.tripped == 0
         again = engine.generate(prompts, temperature=0.0)
         assert again.stats.vllm["drafts"] > 0 and again.response_ids == outs[0].response_ids
     finally:
         engine.tuner, engine.eos_ids, engine.cfg, engine.guard = tuner, EOS, cfg, guard
+
+
+def test_a_priced_threshold_of_zero_builds_the_engine_plain(setup):
+    """`spec_threshold: auto` where SD cannot pay at the drafter's measured acceptance: the engine is rebuilt
+    without SD (no K = 0 tax), a held-out accept length still measures the drafter, and a pricing at which
+    SD pays builds it back (every rebuild counted)."""
+    from tlt.rollout.breakeven import NO_BOUND, CostCurve
+
+    target, _, engine, _ = setup
+    prompts, stops = _tail_prompts(engine, target)
+    buckets = sorted(engine.tuner.buckets)
+    # a round of depth d costs 1 + 0.25 d plain steps: nothing pays at acceptance 0, everything at 1
+    curve = CostCurve(buckets, [[0.01 * (1 + 0.25 * d) for d in range(K + 1)] for _ in buckets])
+    saved = (engine.calibration, engine.cfg, engine.tuner.state(), engine.eos_ids)
+    engine.calibration, engine.eos_ids = curve.summary(), stops
+    engine.cfg = engine.cfg.model_copy(update={"spec_threshold": "auto"})
+    rebuilds = engine.rebuilds
+    try:
+        ref = engine.generate(prompts, temperature=0.0, spec=False)
+        engine.set_accept_prior(0.0)
+        assert engine.threshold() == 0 and not engine.sd_built and engine.rebuilds == rebuilds + 1
+        plain = engine.generate(prompts, temperature=0.0)
+        assert plain.stats.vllm["drafts"] == 0 and plain.response_ids == ref.response_ids
+        rep = measure_accept(engine, prompts[:2], max_new_tokens=MAX_NEW, strategy=SpecStrategy(depth=1, topk=1, tokens=1))
+        assert rep.passes > 0 and 1.0 <= rep.accept_len <= 2.0 and not engine.sd_built and engine.rebuilds == rebuilds + 3
+        engine.set_accept_prior(1.0)
+        assert engine.threshold() == NO_BOUND and engine.sd_built and engine.rebuilds == rebuilds + 4
+        again = engine.generate(prompts, temperature=0.0)
+        assert again.stats.vllm["drafts"] > 0 and again.response_ids == ref.response_ids
+    finally:
+        engine.calibration, engine.cfg, _, engine.eos_ids = saved
+        engine.tuner.load_state(saved[2])
+        if not engine.sd_built:
+            engine._respec(engine.method)

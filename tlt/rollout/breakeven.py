@@ -15,8 +15,8 @@ tiers start at the depth the curve favours. Real rewards join each arm's window 
 
 The tail threshold (`rollout.spec_threshold: auto`, the default) comes from the same curve: SD runs
 while at most `tail_threshold` sequences decode, the upper edge of the widest run of tiers, from the
-smallest batch up, in which some SD arm's predicted reward beats plain decoding's at the prior
-acceptance (0: SD pays in no tier, it never runs; the last tier pays: no bound). An engine without a
+smallest batch up, in which some SD arm's predicted reward beats plain decoding's by PAY_MARGIN at the
+prior acceptance (0: SD pays in no tier, it never runs; the last tier pays: no bound). An engine without a
 curve (calibration off, no bandit) uses DEFAULT_THRESHOLD; a number in the config is used as it is.
 
 Once the run knows its drafter (after the warm-start, or a champion's load), the prior is re-priced
@@ -43,6 +43,10 @@ from tlt.rollout.tuner import PLAIN, StrategyTuner
 # text accepts ~0.5-0.8 per position on the recipes; its rewards replace this as rounds are played).
 PRIOR_ACCEPT_RATE = 0.6
 DEFAULT_THRESHOLD = 8  # `spec_threshold: auto` on an engine without a measured curve
+# A tier pays for the tail threshold when some SD arm is predicted this much faster than plain decoding: the
+# curve's short calls price rounds within ~5 % of a real rollout's (conf/default.yaml, batch 21, depth 1:
+# break-even 1.47-1.54 from the calibration, 1.53 from bench/baselines.py's sweep on held-out prompts).
+PAY_MARGIN = 0.05
 NO_BOUND = 1 << 20  # a tail threshold above any batch: SD at every batch size
 
 
@@ -103,8 +107,8 @@ class CostCurve:
         return b * expected_accept(d, rate) / s
 
     def pays(self, tier: int, arms: list[SpecStrategy], rate: float) -> bool:
-        """Some SD arm of the tier is predicted to emit more tokens per second than plain decoding."""
-        plain = self.predicted_reward(tier, PLAIN)
+        """Some SD arm of the tier is predicted to emit PAY_MARGIN more tokens per second than plain decoding."""
+        plain = self.predicted_reward(tier, PLAIN) * (1 + PAY_MARGIN)
         return any(self.predicted_reward(tier, a, rate) > plain for a in arms if not a.plain)
 
     def tail_threshold(self, arms: list[list[SpecStrategy]], rate: float) -> int:

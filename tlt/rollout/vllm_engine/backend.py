@@ -22,7 +22,9 @@ at most T requests are scheduled, none above. vLLM counts the requests scheduled
 after the running count reaches T (the torch engine: at that step). At K = 0 vLLM's EAGLE
 proposer still runs one drafter forward per step, so that its cache stays in sync (the K = 0 tax;
 measured by bench/vllm_rollout.py as `k0_tax`); once the spec guard has every tier off the engine is
-rebuilt without SD until a new drafter arrives (both rebuilds counted in `rollout/vllm_rebuilds`).
+rebuilt without SD until a new drafter arrives, and so is an engine whose priced tail threshold is
+0 (`spec_threshold: auto` where SD cannot pay at the drafter's measured acceptance: `set_accept_prior`)
+until a pricing says it pays (all these rebuilds counted in `rollout/vllm_rebuilds`).
 `spec_patience` p > 0 is emulated by the worker: the schedule's table stays all-zero until the
 count has been <= T for p consecutive steps, so SD starts at the (p+1)-th such step, as in the
 torch engine (p = 0: the one-step lag above).
@@ -240,7 +242,7 @@ class VllmRolloutEngine(TunerState):
             reply = self._rpc("drafter", drafter_dir=str(to_load), rebuild=rebuild) if to_load else \
                 {"mode": "in_place", "time_s": 0.0}
         self._drafter_dir = new_drafter or self._drafter_dir
-        if new_drafter is not None and not self.sd_built:  # the guard re-arms for it: SD is built back in
+        if new_drafter is not None and not self.sd_built and self.threshold() != 0:  # the guard re-arms for it
             reply = self._respec(self.method, reply)
         self.probe_metrics = self._check_drafter()  # raises DrafterMismatch; then the next sync sends it again
         if new_drafter is not None and self.guard is not None:
@@ -271,9 +273,24 @@ class VllmRolloutEngine(TunerState):
         self.sd_built = method is not None
         return {"mode": "rebuild", "time_s": reply["time_s"] + (before or {}).get("time_s", 0.0)}
 
+    def set_accept_prior(self, rate: float) -> dict | None:
+        """TunerState's re-pricing; where the priced tail threshold is 0 (SD cannot pay on this machine at
+        the drafter's acceptance) the engine is rebuilt without SD, so no rollout pays the K = 0 tax, and
+        built back with SD when a later pricing (an evaluation's) says it pays (both counted)."""
+        calibration = super().set_accept_prior(rate)
+        if calibration is not None and self.method is not None:
+            if self.threshold() == 0 and self.sd_built:
+                self.rebuilds += self._respec(None)["mode"] == "rebuild"
+            elif self.threshold() > 0 and not self.sd_built and not self._guard_all_off():
+                self.rebuilds += self._respec(self.method)["mode"] == "rebuild"
+        return calibration
+
+    def _guard_all_off(self) -> bool:
+        return self.guard is not None and self.guard.tripped == len(self.guard.buckets)
+
     def _drop_sd_if_all_off(self) -> None:
         """The guard has every tier off until a new drafter: rebuild plain (counted), no K = 0 drafter forwards."""
-        if self.sd_built and self.guard is not None and self.guard.tripped == len(self.guard.buckets):
+        if self.sd_built and self._guard_all_off():
             self.rebuilds += self._respec(None)["mode"] == "rebuild"
 
     def _check_drafter(self) -> dict[str, float]:
@@ -300,10 +317,19 @@ class VllmRolloutEngine(TunerState):
     def fixed_strategy(self, strategy: SpecStrategy, batch_size: int = 8) -> Iterator[None]:
         """Within the block, every `generate` of up to `batch_size` prompts drafts `strategy`'s chain on
         every step: bandit and spec guard off, no patience. Raises EngineCapabilityError where vLLM
-        cannot run `strategy` (see `capabilities`)."""
+        cannot run `strategy` (see `capabilities`). An engine rebuilt plain (the guard has every tier off, or
+        its priced threshold is 0) is rebuilt with SD for the block and plain again after it (both counted): a held-out accept
+        length measures the drafter, never a plain engine."""
         check_fixed_strategy(self.capabilities, strategy)
-        with swapped(self, cfg=fixed_config(self.cfg, strategy, batch_size), tuner=None):
-            yield
+        respec = not self.sd_built and self.method is not None
+        if respec:
+            self.rebuilds += self._respec(self.method)["mode"] == "rebuild"
+        try:
+            with swapped(self, cfg=fixed_config(self.cfg, strategy, batch_size), tuner=None):
+                yield
+        finally:
+            if respec:  # plain again, for the reason it was (the guard, or a priced threshold of 0)
+                self.rebuilds += self._respec(None)["mode"] == "rebuild"
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], group_size: int = 1, max_new_tokens: int | None = None,
