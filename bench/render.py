@@ -112,9 +112,9 @@ def parity_block(results: dict, prefix: str) -> str:
     return "\n".join(rows)
 
 
-def status_block(results: dict, prefix: str) -> str:
-    """The README's status at a glance: what pays where, on which hardware, with links to the files."""
-    rows = ["| question | answer | recipe | hardware | source |", "|---|---|---|---|---|"]
+def precision_rows(results: dict, prefix: str) -> list[str]:
+    """The status rows of bench/precision.py results."""
+    rows = []
     for n, r in results.items():
         if suite(r) != "precision":
             continue
@@ -125,6 +125,12 @@ def status_block(results: dict, prefix: str) -> str:
                     f"(fp32), {x(sd_ratio(r, 'bf16'))} (bf16) | {where} | {r['machine']} | {link} |")
         rows.append(f"| held-out accept length after warm-start (fixed chain, greedy, fp32) | {r['accept_len_fp32']:.2f} "
                     f"tokens per target pass | {where} | {r['machine']} | {link} |")
+    return rows
+
+
+def status_block(results: dict, prefix: str) -> str:
+    """The README's status at a glance: what pays where, on which hardware, with links to the files."""
+    rows = ["| question | answer | recipe | hardware | source |", "|---|---|---|---|---|"] + precision_rows(results, prefix)
     for n, r in results.items():
         if suite(r) != "rl_step":
             continue

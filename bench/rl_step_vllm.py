@@ -25,7 +25,7 @@ ARMS = {"plain": "vllm_plain", "adaptive": "vllm_spec", "frozen": "vllm_frozen",
 
 def available() -> bool:
     """A vLLM interpreter exists ($TLT_VLLM_PYTHON or .venv-vllm), as the backend looks for one."""
-    from tlt.rollout.vllm_engine.backend import VllmUnavailable, vllm_python
+    from tlt.rollout.vllm_engine.process import VllmUnavailable, vllm_python
 
     try:
         vllm_python()

@@ -114,6 +114,7 @@ def test_tail_threshold_is_the_widest_paying_run_of_tiers(rate, threshold):
     cal = reprice(tuner, TIERS.summary(), rate)
     assert cal["tail_threshold"] == threshold and cal["prior_accept_rate"] == rate
     assert tail_threshold("auto", cal) == threshold and tail_threshold(3, cal) == 3  # a number wins
+    assert tail_threshold("auto", cal, cap=2) == min(threshold, 2) and tail_threshold(9, cal, cap=2) == 9
     # the bandit starts where the curve says: SD in the paying tiers, plain in the others
     assert [not tuner.choose(low).plain for low in (1, 2, 5)] == cal["pays"]
 
@@ -152,7 +153,9 @@ def test_an_engine_decodes_with_its_calibrated_threshold():
     assert out.stats.spec_steps == 0 and out.stats.tail_time_s == 0  # never in the tail: SD never ran
     engine.set_accept_prior(1.0)  # every draft accepted: a round of depth d pays unless it costs d + 1 steps
     curve = CostCurve.from_summary(engine.calibration)
-    assert engine.threshold() == curve.tail_threshold(tuner.arms, 1.0) >= 1 and engine.calibration["prior_accept_rate"] == 1.0
+    # the torch engine caps `auto` at DEFAULT_THRESHOLD: the curve only lowers its threshold
+    assert engine.threshold() == min(curve.tail_threshold(tuner.arms, 1.0), DEFAULT_THRESHOLD) >= 1
+    assert engine.calibration["prior_accept_rate"] == 1.0
     assert engine.generate(prompts[:1]).stats.spec_steps > 0
 
 

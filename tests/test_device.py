@@ -151,7 +151,7 @@ ALLOWED = {
     ("tlt/rollout/torch_engine/engine.py", "Capture.add_prompts"): "captured features gathered on the CPU (.cpu() per step)",
     ("tlt/rollout/guard.py", "probe_inputs"): "the probe is saved to a file for vLLM; probe_logits moves it",
     ("tlt/rollout/torch_engine/draft.py", "tree_from_nodes"): HOST + " (moved with .to(device) at the end)",
-    ("tlt/rollout/vllm_engine/backend.py", "kv_cache_budget_mib"): "an empty tensor read for its element size only",
+    ("tlt/rollout/vllm_engine/process.py", "kv_cache_budget_mib"): "an empty tensor read for its element size only",
     ("tlt/drafter/accept_eval.py", "_pad"): HOST + " (moved with .to(dev) at the end)",
     ("tlt/rollout/vllm_engine/vllm_ext.py", "TltWorkerExtension.tlt_expand_probe"): "a probe of vLLM's CPU sampler fallback "
                                                                          "(run on the CPU platform only)",

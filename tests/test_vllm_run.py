@@ -19,7 +19,7 @@ pytestmark = [
 
 def test_missing_vllm_python_is_a_user_error(tmp_path):
     from tlt.errors import UserError
-    from tlt.rollout.vllm_engine.backend import vllm_python
+    from tlt.rollout.vllm_engine.process import vllm_python
 
     with pytest.raises(UserError, match="bench/vllm_venv.sh"):
         vllm_python(tmp_path / "nope" / "python")
@@ -83,7 +83,7 @@ def test_worker_removes_its_weights_folder_when_the_parent_is_gone(tmp_path):
     the worker ends and removes the weights folder it was given, so /dev/shm does not fill up."""
     import subprocess
 
-    from tlt.rollout.vllm_engine.backend import WORKER
+    from tlt.rollout.vllm_engine.process import WORKER
 
     work = tmp_path / "tlt-vllm-test"
     (work / "policy-00001").mkdir(parents=True)

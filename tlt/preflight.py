@@ -108,7 +108,7 @@ def check_run_inputs(cfg, resume: str | None = None) -> str | None:
     if cfg.rl.reward not in ("auto", "math", "reasoning_gym"):
         get_reward_fn(cfg.rl.reward)  # imports the user's module: errors name it
     if cfg.rollout.backend == "vllm":
-        from tlt.rollout.vllm_engine.backend import vllm_python  # deferred: torch
+        from tlt.rollout.vllm_engine.process import vllm_python  # deferred: torch
 
         vllm_python()
     if not resume:

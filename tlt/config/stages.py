@@ -186,7 +186,8 @@ class RolloutConfig(Stage):
     spec_threshold: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="SD on when running sequences <= this (the tail switch). auto: the largest batch size at "
         "which this machine's cost curve, measured at engine start, says SD pays at the drafter's measured "
-        "acceptance (tlt.rollout.breakeven; 8 where no curve is measured, e.g. rollout.tuner_calibrate false)")
+        "acceptance (tlt.rollout.breakeven; the torch engine: at most 8; 8 where no curve is measured, e.g. "
+        "rollout.tuner_calibrate false)")
     spec_patience: int = Field(0, ge=0, description="SD switches on only after this many consecutive decode steps "
                                "at or under spec_threshold (TLT uses 10 on GPUs; 0 = at once)")
     drafter: Literal["eagle", "ngram"] = Field("eagle", description="Trained drafter, or model-free prompt lookup")

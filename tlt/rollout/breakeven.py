@@ -18,6 +18,12 @@ while at most `tail_threshold` sequences decode, the upper edge of the widest ru
 smallest batch up, in which some SD arm's predicted reward beats plain decoding's by PAY_MARGIN at the
 prior acceptance (0: SD pays in no tier, it never runs; the last tier pays: no bound). An engine without a
 curve (calibration off, no bandit) uses DEFAULT_THRESHOLD; a number in the config is used as it is.
+The torch engine caps `auto` at DEFAULT_THRESHOLD (its `auto_cap`): its short calibration calls price
+mid-rollout rounds at 5+ sequences too cheaply (measured on both recipes: the curve predicted SD paying
+at every batch size at the warm-started drafter's acceptance, while SD at 5+ sequences ran slower than
+plain in the rollouts: paired conf/longtail.yaml 0.84x plain at the first step, conf/default.yaml
+0.91x), so there the curve only lowers the threshold, where SD cannot pay even in a small tail. vLLM's
+curve agreed with its rollouts (conf/longtail.yaml: SD paying up to every batch size) and is uncapped.
 
 Once the run knows its drafter (after the warm-start, or a champion's load), the prior is re-priced
 from what the drafter measured: the held-out accept length at the rollout temperature, with the fixed
@@ -204,12 +210,15 @@ def calibrate(engine, tuner: StrategyTuner, vocab_size: int, temperature: float 
     return reprice(tuner, measure(engine, tuner, vocab_size, temperature=temperature).summary(), PRIOR_ACCEPT_RATE)
 
 
-def tail_threshold(configured: int | str, calibration: dict | None) -> int:
+def tail_threshold(configured: int | str, calibration: dict | None, cap: int | None = None) -> int:
     """The tail threshold an engine decodes with: `rollout.spec_threshold` when it is a number; for
-    `auto`, the calibration's (`reprice`), or DEFAULT_THRESHOLD on an engine without one."""
+    `auto`, the calibration's (`reprice`) up to the engine's `cap`, or DEFAULT_THRESHOLD on an engine
+    without a calibration."""
     if configured != "auto":
         return int(configured)
-    return int(calibration["tail_threshold"]) if calibration else DEFAULT_THRESHOLD
+    if not calibration:
+        return DEFAULT_THRESHOLD
+    return min(int(calibration["tail_threshold"]), cap if cap is not None else NO_BOUND)
 
 
 def calibrated(engine, tuner: StrategyTuner | None, r, vocab_size: int):

@@ -196,6 +196,7 @@ class TunerState:
     the prior re-priced from it and the tail threshold it decodes with."""
 
     calibration: dict | None = None  # set by tlt.rollout.breakeven.calibrated
+    auto_cap: int | None = None  # the most `spec_threshold: auto` may give on this engine (tlt.rollout.breakeven)
 
     def set_accept_prior(self, rate: float) -> dict | None:
         """Re-price the bandit's prior and the `auto` tail threshold at per-token acceptance `rate`."""
@@ -205,7 +206,7 @@ class TunerState:
 
     def threshold(self, override: int | None = None) -> int:
         """This call's tail threshold: `override`, else `rollout.spec_threshold` (its calibrated value for `auto`)."""
-        return tail_threshold(self.cfg.spec_threshold, self.calibration) if override is None else override
+        return tail_threshold(self.cfg.spec_threshold, self.calibration, self.auto_cap) if override is None else override
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this engine: {"tuner": the bandit's state} ({} without a tuner)."""

@@ -18,6 +18,7 @@ import torch
 
 from tlt import arch
 from tlt.config import RolloutConfig, SpecStrategy
+from tlt.rollout.breakeven import DEFAULT_THRESHOLD
 from tlt.rollout.torch_engine.cache import SlotCache
 from tlt.rollout.torch_engine.calibrate import Calibrator
 from tlt.rollout.contract import (Capabilities, TunerState, check_fixed_strategy, fixed_config, swapped,
@@ -41,6 +42,8 @@ class RolloutEngine(TunerState):
     round). history: earlier responses per prompt (`PromptHistory`), searched by n-gram drafts
     when `cfg.group_drafts`; filled by every `generate` (evaluation included).
     """
+
+    auto_cap = DEFAULT_THRESHOLD  # `spec_threshold: auto` only lowers the threshold here (tlt.rollout.breakeven)
 
     def __init__(self, model, cfg: RolloutConfig, eos_ids: list[int], pad_id: int, drafter=None, tuner=None):
         self.master, self.cfg, self.pad_id = model, cfg, pad_id
