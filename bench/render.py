@@ -38,8 +38,10 @@ def recipe(res: dict) -> str:
 
 
 def engine_of(res: dict) -> str:
-    """The rollout engine a result ran on (its command's overrides)."""
-    return "vLLM" if "rollout.backend=vllm" in res["command"] else "torch engine"
+    """The rollout engine a result ran on (its command's overrides), and without the start-up calibration
+    where the command switched it off."""
+    engine = "vLLM" if "rollout.backend=vllm" in res["command"] else "torch engine"
+    return engine + (", no start-up calibration" if "rollout.tuner_calibrate=false" in res["command"] else "")
 
 
 def x(v: float) -> str:

@@ -123,6 +123,8 @@ def test_paired_results_render_apart_from_the_rl_step_table():
     assert "0.20 / draft / none (SD off) | — |" in render.paired_block({"p": none}, "results")
     assert "/ every batch |" in render.paired_block(
         {"p": {**paired, "paired_priced": {"prior_accept_rate": 0.9, "tail_threshold": 1 << 20}}}, "results")
+    nocal = {**paired, "command": paired["command"] + " --set rollout.tuner_calibrate=false"}
+    assert "(results/n.json), torch engine, no start-up calibration | 3 |" in render.paired_block({"n": nocal}, "results")
     on_vllm = {**paired, "command": paired["command"] + " --set rollout.backend=vllm"}
     assert "(results/v.json), vLLM | 3 |" in render.paired_block({"v": on_vllm}, "results")
     assert render.rl_step_block({"p": paired}, "results").startswith("Whole RL steps: not measured")

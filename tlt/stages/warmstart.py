@@ -71,7 +71,7 @@ def accept_prior(cfg, greedy: float | None, sampled: float | None) -> float | No
 def price_prior(engine, rate: float | None, tracker, step: int = 0) -> int | None:
     """Give `engine` (the run's, or the RL steps' pool) the drafter's measured acceptance `rate`: its
     bandit's prior and its `auto` tail threshold follow (tlt.rollout.breakeven.reprice). Logs
-    spec/prior_accept_rate and spec/tail_threshold; returns that threshold (None: the engine has no
+    spec/prior_accept_rate, spec/tail_threshold and what the curve took to measure (timing_s/calibration); returns that threshold (None: the engine has no
     cost curve, e.g. rollout.tuner_calibrate false, and nothing moved)."""
     if rate is None:
         return None
@@ -79,7 +79,8 @@ def price_prior(engine, rate: float | None, tracker, step: int = 0) -> int | Non
     if curve is None:
         return None
     threshold = int(curve["tail_threshold"])
-    tracker.log_metrics({"spec/prior_accept_rate": rate, "spec/tail_threshold": float(threshold)}, step=step)
+    tracker.log_metrics({"spec/prior_accept_rate": rate, "spec/tail_threshold": float(threshold),
+                         "timing_s/calibration": float(curve.get("seconds", 0.0))}, step=step)
     return threshold
 
 
