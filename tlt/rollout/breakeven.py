@@ -216,7 +216,7 @@ def tail_threshold(configured: int | str, calibration: dict | None, cap: int | N
     without a calibration."""
     if configured != "auto":
         return int(configured)
-    if not calibration:
+    if not calibration or "tail_threshold" not in calibration:  # no curve, or one never priced
         return DEFAULT_THRESHOLD
     return min(int(calibration["tail_threshold"]), cap if cap is not None else NO_BOUND)
 

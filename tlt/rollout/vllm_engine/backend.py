@@ -268,7 +268,7 @@ class VllmRolloutEngine(TunerState):
             with swapped(self, cfg=fixed_config(self.cfg, strategy, batch_size), tuner=None):
                 yield
         finally:
-            if respec:  # plain again, for the reason it was (the guard, or a priced threshold of 0)
+            if respec and self.sd_built:  # plain again, for the reason it was (the guard, or a priced threshold of 0)
                 self.rebuilds += self._respec(None)["mode"] == "rebuild"
 
     # ---- generation ----------------------------------------------------------------------
@@ -300,7 +300,8 @@ class VllmRolloutEngine(TunerState):
         batch = reply_batch(prompts, group_size, reply, time.perf_counter() - t0, sd["sd_k"])
         if plan is not None:
             plan.observe(reply["step_log"], threshold, batch.stats)
-            self._drop_sd_if_all_off()
+            if guard is not None:  # not inside `fixed_strategy` (guard off there): a measurement drafts throughout
+                self._drop_sd_if_all_off()
         self.last_tiers = plan.tiers if plan is not None else None
         return batch
 
