@@ -184,7 +184,8 @@ def uis(tmp_path_factory):
         mlflow = stack.enter_context(mlflow_server(tmp))
         env = {**prefect["env"], "MLFLOW_TRACKING_URI": mlflow["url"], "TLT_MLFLOW_SPOOL_DIR": str(tmp / "spool"),
                "PYTHONUNBUFFERED": "1"}
-        overrides = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}"]
+        # no plain arm: the smoke drafter (random model) prices SD off in every bucket, and the charts need SD metrics
+        overrides = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}", "--set", "rollout.tuner_plain_arm=false"]
         trained = run_tlt(["run", "conf/smoke.yaml", *overrides], env, timeout=900, log=tmp / "run.log")
         assert trained.returncode == 0, trained.stdout[-3000:]
         # the link `tlt run` prints: the run's page on this server, in the model-training view
