@@ -184,8 +184,7 @@ def uis(tmp_path_factory):
         mlflow = stack.enter_context(mlflow_server(tmp))
         env = {**prefect["env"], "MLFLOW_TRACKING_URI": mlflow["url"], "TLT_MLFLOW_SPOOL_DIR": str(tmp / "spool"),
                "PYTHONUNBUFFERED": "1"}
-        # no plain arm: the smoke drafter (random model) prices SD off in every bucket, and the charts need SD metrics
-        overrides = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}", "--set", "rollout.tuner_plain_arm=false"]
+        overrides = ["--set", f"trainer.checkpoint_dir={tmp / 'runs'}"]
         trained = run_tlt(["run", "conf/smoke.yaml", *overrides], env, timeout=900, log=tmp / "run.log")
         assert trained.returncode == 0, trained.stdout[-3000:]
         # the link `tlt run` prints: the run's page on this server, in the model-training view
@@ -262,7 +261,7 @@ def test_mlflow_ui_draws_the_metric_charts(uis):
         return series <= dom.texts
 
     dom = _rendered(f"{base}/model-metrics?workflowType=machine_learning", "mlflow-charts", uis["tmp"], drawn,
-                    size="1400,9000")  # tall: sections below the fold are not drawn
+                    size="1400,16000")  # tall: sections below the fold are not drawn
     assert series <= dom.texts, sorted(series - dom.texts)
     markup = (uis["tmp"] / "mlflow-charts.html").read_text()
     assert markup.count('class="main-svg"') >= 2 * len(series)  # plotly drew them (two svg layers a chart)
