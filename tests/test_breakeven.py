@@ -146,15 +146,17 @@ def test_an_engine_decodes_with_its_calibrated_threshold():
         == DEFAULT_THRESHOLD  # not calibrated
     tuner = StrategyTuner.from_config(cfg)
     engine = calibrated(RolloutEngine(model, cfg, eos_ids=[], pad_id=0, tuner=tuner), tuner, cfg, 64)
+    assert engine.calibration["seconds"] > 0  # measured on this engine; priced below on a known curve (timings are noisy)
+    engine.calibration = CostCurve(tuner.buckets, [[0.01 * (1 + 0.25 * d) for d in range(len(row))]
+                                                   for row in engine.calibration["round_s"]]).summary()
     engine.set_accept_prior(0.0)  # nothing is ever accepted: SD cannot pay in any tier
     assert engine.calibration["tail_threshold"] == 0 and engine.threshold() == 0 and engine.threshold(5) == 5
     prompts = [[5, 6, 7, 8]] * 3
     out = engine.generate(prompts)
     assert out.stats.spec_steps == 0 and out.stats.tail_time_s == 0  # never in the tail: SD never ran
-    engine.set_accept_prior(1.0)  # every draft accepted: a round of depth d pays unless it costs d + 1 steps
-    curve = CostCurve.from_summary(engine.calibration)
+    engine.set_accept_prior(1.0)  # every draft accepted: a round of depth d (1 + d / 4 steps) pays everywhere
     # the torch engine caps `auto` at DEFAULT_THRESHOLD: the curve only lowers its threshold
-    assert engine.threshold() == min(curve.tail_threshold(tuner.arms, 1.0), DEFAULT_THRESHOLD) >= 1
+    assert engine.calibration["tail_threshold"] == NO_BOUND and engine.threshold() == DEFAULT_THRESHOLD
     assert engine.calibration["prior_accept_rate"] == 1.0
     assert engine.generate(prompts[:1]).stats.spec_steps > 0
 
