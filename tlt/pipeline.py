@@ -140,9 +140,9 @@ class Pipeline:
         rate = drafting.accept_prior(self.cfg, summary.accept_len, summary.accept_len_sampled)
         if rate is not None and self.refresher is not None:  # the drafter moved: speculation is priced again
             self.accept_prior = rate
-            steps = self.ctx.engine if self.ctx is not None and self.ctx.engine is not parts.engine else None
-            for engine in (parts.engine, steps) if steps is not None else (parts.engine,):
-                drafting.price_prior(engine, rate, self.tracker, step)
+            drafting.price_prior(parts.engine, rate, self.tracker, step)
+            if self.ctx is not None and self.ctx.engine is not parts.engine:  # the steps' workers or actors
+                drafting.price_prior(self.ctx.engine, rate, self.tracker, step)
         return summary
 
     def load_weights(self, checkpoint: str | Path) -> int:

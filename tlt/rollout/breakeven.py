@@ -29,7 +29,8 @@ Once the run knows its drafter (after the warm-start, or a champion's load), the
 from what the drafter measured: the held-out accept length at the rollout temperature, with the fixed
 `drafter.eval_strategy` chain, gives the per-token rate (`rate_of`), and `reprice` seeds the bandit
 and moves the threshold with it (the engines' `set_accept_prior`). A drafter that accepts too little
-on sampled text to pay on this machine so starts the run with SD off (explored at rate epsilon only).
+on sampled text to pay on this machine so starts the run with SD off (threshold 0: not explored until
+a later pricing, at an evaluation, says it pays).
 
 Each engine calibrates once, when it is built (the driver's, every pool worker's, every Ray actor's,
 on the cores it decodes on). Not again after a policy update or a drafter refresh: the curve is the
@@ -120,10 +121,12 @@ class CostCurve:
     def tail_threshold(self, arms: list[list[SpecStrategy]], rate: float) -> int:
         """`spec_threshold: auto` (see the module doc): the largest batch size of the widest run of
         paying tiers from the smallest up; 0 when the first tier does not pay, NO_BOUND when all do."""
-        for tier in range(len(self.buckets)):
-            if not self.pays(tier, arms[tier], rate):
-                return self.buckets[tier] - 1 if tier else 0
-        return NO_BOUND
+        return self.threshold_of([self.pays(t, arms[t], rate) for t in range(len(self.buckets))])
+
+    def threshold_of(self, pays: list[bool]) -> int:
+        """The tail threshold of the tiers' `pays` verdicts (see `tail_threshold`)."""
+        first_off = next((t for t, ok in enumerate(pays) if not ok), None)
+        return NO_BOUND if first_off is None else self.buckets[first_off] - 1 if first_off else 0
 
     @classmethod
     def from_summary(cls, summary: dict) -> "CostCurve":
@@ -200,8 +203,8 @@ def reprice(tuner: StrategyTuner, calibration: dict, rate: float) -> dict:
     calibration with the rate and the tail threshold that follow (what the engine keeps)."""
     curve = CostCurve.from_summary(calibration)
     seed(tuner, curve, rate)
-    return {**calibration, "prior_accept_rate": rate, "tail_threshold": curve.tail_threshold(tuner.arms, rate),
-            "pays": [curve.pays(t, arms, rate) for t, arms in enumerate(tuner.arms)]}
+    pays = [curve.pays(t, arms, rate) for t, arms in enumerate(tuner.arms)]
+    return {**calibration, "prior_accept_rate": rate, "tail_threshold": curve.threshold_of(pays), "pays": pays}
 
 
 def calibrate(engine, tuner: StrategyTuner, vocab_size: int, temperature: float = 0.0) -> dict:
